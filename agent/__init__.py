@@ -1,0 +1,1 @@
+"""The moewatch sidecar agent (never imports torch)."""

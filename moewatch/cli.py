@@ -1,0 +1,66 @@
+"""The `moewatch` command. Verbs load lazily so `moewatch diagnose` never imports torch or the agent.
+
+Each verb lives beside the code it drives and is registered here by "module:attribute":
+the core's verbs in moewatch/commands.py, the planner's in moewatch/planner/cli.py, the agent's in
+agent/cli.py, the runtime's in runtime/cli.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from . import __version__
+
+VERBS: dict[str, tuple[str, str]] = {
+    "diagnose": ("moewatch.commands:diagnose", "Triage a window: which layers are comm-bound or imbalance-bound, and why."),
+    "examples": ("moewatch.commands:examples", "Write the example windows (one per verdict) into a folder."),
+    "plan": ("moewatch.planner.cli:plan", "Solve an expert placement (replicas, packing, affinity) from a load file."),
+    "whatif": ("moewatch.planner.cli:whatif", "Sweep the cost model over experts, ranks and batch size."),
+    "runtime": ("moewatch.runtime.cli:runtime", "Launch the reference EP runtime on this machine."),
+    "agent": ("moewatch.agent.cli:agent", "Run the sidecar agent (the daemon)."),
+    "demo": ("moewatch.agent.cli:demo", "Run the reference runtime and the agent together, wired through a socket."),
+    "top": ("moewatch.agent.cli:top", "Live per-layer view of a running agent."),
+    "report": ("moewatch.report:report", "Draw a window's per-layer pictures into PNG files."),
+    "bench": ("moewatch.bench:bench", "Benchmarks: planner against EPLB, probe overhead."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(VERBS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in VERBS:
+            return None
+        target, _ = VERBS[name]
+        module_name, attr = target.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            return _unavailable(name, f"{exc} (install the extra that provides it, e.g. pip install 'moewatch[runtime]')")
+        return getattr(module, attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Listing help must not import every verb's dependencies.
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, VERBS[name][1]) for name in sorted(VERBS)])
+
+
+def _unavailable(name: str, why: str) -> click.Command:
+    @click.command(name=name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    def missing() -> None:
+        raise click.ClickException(f"`moewatch {name}` is unavailable here: {why}")
+
+    return missing
+
+
+@click.group(cls=LazyGroup)
+@click.version_option(__version__, prog_name="moewatch")
+def main() -> None:
+    """moewatch: observe, diagnose and tune Mixture-of-Experts inference with expert parallelism."""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Plan: a whole desired state for an EP group, never a delta.
+
+A plan names the placement (physical_to_logical_map [L, P]) and the capacity factor per layer [L]
+that the runtime should run from `epoch` on. Runtimes refuse a plan whose epoch is not newer than the
+one in force, so sending the same plan twice is harmless (idempotent, fenced by epoch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class PlanError(ValueError):
+    """A plan broke its contract; `field` names the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    epoch: int
+    physical_to_logical_map: np.ndarray  # [L, P] int64
+    capacity_factor: np.ndarray  # [L] float64; 0 means dropless
+    reason: str = ""
+    # Extra facts a writer wants to carry (predicted gain, source windows...); round-trips as is.
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, (int, np.integer)) or self.epoch < 0:
+            raise PlanError("epoch", f"must be a non-negative integer, got {self.epoch!r}")
+        object.__setattr__(self, "epoch", int(self.epoch))
+        pmap = _int_matrix("physical_to_logical_map", self.physical_to_logical_map)
+        cap = np.asarray(self.capacity_factor, dtype=np.float64) if _numeric(self.capacity_factor) else None
+        if cap is None or cap.ndim != 1 or cap.shape[0] != pmap.shape[0]:
+            raise PlanError("capacity_factor", f"expected one number per layer ({pmap.shape[0]})")
+        if not np.all(np.isfinite(cap)) or np.any(cap < 0):
+            raise PlanError("capacity_factor", "must be finite and >= 0 (0 means dropless)")
+        pmap.setflags(write=False)
+        cap.setflags(write=False)
+        object.__setattr__(self, "physical_to_logical_map", pmap)
+        object.__setattr__(self, "capacity_factor", cap)
+        object.__setattr__(self, "meta", dict(self.meta))
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.physical_to_logical_map.shape[0])
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.physical_to_logical_map.shape[1])
+
+    def check_against(self, num_layers: int, num_experts: int, num_slots: int, world_size: int) -> None:
+        """Raise PlanError unless the plan fits a runtime of these sizes."""
+        pmap = self.physical_to_logical_map
+        if pmap.shape != (num_layers, num_slots):
+            raise PlanError("physical_to_logical_map",
+                            f"shape {list(pmap.shape)} does not match [{num_layers}, {num_slots}]")
+        if num_slots % world_size:
+            raise PlanError("physical_to_logical_map", f"{num_slots} slots do not divide over {world_size} ranks")
+        check_placement(pmap, num_experts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "physical_to_logical_map": self.physical_to_logical_map.tolist(),
+            "capacity_factor": self.capacity_factor.tolist(),
+            "reason": self.reason,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError("<root>", "expected an object")
+        for key in ("epoch", "physical_to_logical_map", "capacity_factor"):
+            if key not in data:
+                raise PlanError(key, "missing")
+        reason = data.get("reason", "")
+        meta = data.get("meta", {})
+        if not isinstance(reason, str):
+            raise PlanError("reason", "must be a string")
+        if not isinstance(meta, dict):
+            raise PlanError("meta", "must be an object")
+        return cls(data["epoch"], data["physical_to_logical_map"], data["capacity_factor"], reason, meta)
+
+
+def check_placement(pmap: np.ndarray, num_experts: int) -> None:
+    """Raise PlanError unless every entry of pmap [L, P] is in [0, E) and every expert has a slot."""
+    if np.any(pmap < 0) or np.any(pmap >= num_experts):
+        layer, slot = map(int, np.argwhere((pmap < 0) | (pmap >= num_experts))[0])
+        raise PlanError("physical_to_logical_map",
+                        f"layer {layer} slot {slot}: expert {int(pmap[layer, slot])} outside [0, {num_experts})")
+    held = np.zeros((pmap.shape[0], num_experts), dtype=bool)
+    np.put_along_axis(held, pmap, True, axis=1)
+    if not held.all():
+        layer, expert = map(int, np.argwhere(~held)[0])
+        raise PlanError("physical_to_logical_map", f"layer {layer}: expert {expert} has no slot")
+
+
+def _numeric(value: Any) -> bool:
+    try:
+        arr = np.asarray(value)
+    except ValueError:
+        return False
+    return arr.dtype.kind in "iuf"
+
+
+def _int_matrix(name: str, value: Any) -> np.ndarray:
+    try:
+        arr = np.asarray(value)
+    except ValueError:
+        raise PlanError(name, "ragged nested list") from None
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
+        raise PlanError(name, f"expected a non-empty [layers][slots] matrix, got shape {list(arr.shape)}")
+    if arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
+        arr = arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise PlanError(name, "entries must be integers")
+    return arr.astype(np.int64)

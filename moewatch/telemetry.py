@@ -1,0 +1,531 @@
+"""The Window: one sampling window of one EP group, aggregated over its ranks.
+
+The contract is ../shared/WINDOW.md (mirrored in docs/telemetry.md). A Window is immutable once built
+and always valid: every constructor path runs `validate`, which rejects the whole window with a
+`WindowError` naming the first field that breaks an invariant. Nothing downstream re-checks shapes.
+
+Sizes used in docstrings: L layers, E logical experts, P physical slots, W ranks, S steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+SCHEMA = "moewatch.window/v1"
+
+# name -> (dtype kind, shape as a tuple of size names). "i" arrays hold non-negative integer counts,
+# "f" arrays finite non-negative seconds or factors. Order is the JSON and binary order.
+ARRAY_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "physical_to_logical_map": ("i", ("L", "P")),
+    "expert_tokens": ("i", ("L", "E")),
+    "slot_tokens": ("i", ("L", "P")),
+    "dropped_tokens": ("i", ("L", "E")),
+    "rerouted_tokens": ("i", ("L", "E")),
+    "capacity_factor": ("f", ("L",)),
+    "local_tokens": ("i", ("L", "W")),
+    "sent_tokens": ("i", ("L", "W")),
+    "received_tokens": ("i", ("L", "W")),
+    "traffic": ("i", ("L", "W", "W")),
+    "dispatch_seconds": ("f", ("L", "W")),
+    "combine_seconds": ("f", ("L", "W")),
+    "compute_seconds": ("f", ("L", "W")),
+    "layer_seconds": ("f", ("L", "W")),
+    "step_seconds": ("f", ("S",)),
+    "step_tokens": ("i", ("S",)),
+}
+OPTIONAL_ARRAYS = frozenset({"traffic"})
+
+SCALAR_FIELDS: dict[str, type] = {
+    "runtime": str,
+    "model": str,
+    "ep_group": str,
+    "world_size": int,
+    "ranks_per_node": int,
+    "num_layers": int,
+    "num_experts": int,
+    "num_slots": int,
+    "top_k": int,
+    "epoch": int,
+    "steps": int,
+    "start_time": float,
+    "end_time": float,
+    "hidden_bytes": int,
+}
+
+
+class WindowError(ValueError):
+    """A window broke the contract; `field` names the first offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True, eq=False)
+class Window:
+    runtime: str
+    model: str
+    ep_group: str
+    world_size: int
+    ranks_per_node: int
+    num_layers: int
+    num_experts: int
+    num_slots: int
+    top_k: int
+    epoch: int
+    steps: int
+    start_time: float
+    end_time: float
+    hidden_bytes: int
+    physical_to_logical_map: np.ndarray
+    expert_tokens: np.ndarray
+    slot_tokens: np.ndarray
+    dropped_tokens: np.ndarray
+    rerouted_tokens: np.ndarray
+    capacity_factor: np.ndarray
+    local_tokens: np.ndarray
+    sent_tokens: np.ndarray
+    received_tokens: np.ndarray
+    traffic: np.ndarray | None
+    dispatch_seconds: np.ndarray
+    combine_seconds: np.ndarray
+    compute_seconds: np.ndarray
+    layer_seconds: np.ndarray
+    step_seconds: np.ndarray
+    step_tokens: np.ndarray
+    # Fields this reader does not know, kept so a round trip is lossless.
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    schema: str = SCHEMA
+
+    def __post_init__(self) -> None:
+        for name, (kind, _) in ARRAY_FIELDS.items():
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL_ARRAYS:
+                continue
+            object.__setattr__(self, name, _as_array(name, kind, value))
+        for name, typ in SCALAR_FIELDS.items():
+            object.__setattr__(self, name, _as_scalar(name, typ, getattr(self, name)))
+        object.__setattr__(self, "extra", dict(self.extra))
+        validate(self)
+        for name in ARRAY_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                value.setflags(write=False)
+
+    # --- sizes -----------------------------------------------------------------------------------
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.world_size
+
+    @property
+    def slot_rank(self) -> np.ndarray:
+        """[P] rank that holds each slot."""
+        return np.arange(self.num_slots) // self.slots_per_rank
+
+    # --- forms -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"schema": self.schema}
+        for name in SCALAR_FIELDS:
+            out[name] = getattr(self, name)
+        for name in ARRAY_FIELDS:
+            value = getattr(self, name)
+            out[name] = None if value is None else value.tolist()
+        for key, value in self.extra.items():
+            out.setdefault(key, value)
+        return out
+
+    def to_json(self, indent: int | None = None) -> str:
+        # repr-exact floats: json writes the shortest string that reads back to the same double.
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Window":
+        if not isinstance(data, dict):
+            raise WindowError("<root>", f"expected a JSON object, got {type(data).__name__}")
+        schema = data.get("schema")
+        if schema != SCHEMA:
+            raise WindowError("schema", f"unknown schema {schema!r}; this reader understands {SCHEMA!r}")
+        kwargs: dict[str, Any] = {}
+        for name in (*SCALAR_FIELDS, *ARRAY_FIELDS):
+            if name not in data:
+                if name in OPTIONAL_ARRAYS:
+                    kwargs[name] = None
+                    continue
+                raise WindowError(name, "missing")
+            kwargs[name] = data[name]
+        known = {"schema", *SCALAR_FIELDS, *ARRAY_FIELDS}
+        kwargs["extra"] = {k: v for k, v in data.items() if k not in known}
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Window":
+        try:
+            data = json.loads(text, parse_constant=_reject_constant)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise WindowError("<json>", f"not valid JSON ({exc})") from None
+        except ValueError as exc:  # NaN / Infinity literals
+            raise WindowError("<json>", str(exc)) from None
+        return cls.from_dict(data)
+
+    def to_bytes(self) -> bytes:
+        return encode_binary(self)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "Window":
+        return decode_binary(blob)
+
+    def replace(self, **changes: Any) -> "Window":
+        """A copy with some fields changed (validated like any other window)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-finite number {name} is not allowed")
+
+
+def _as_scalar(name: str, typ: type, value: Any) -> Any:
+    if typ is str:
+        if not isinstance(value, str):
+            raise WindowError(name, f"expected a string, got {type(value).__name__}")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise WindowError(name, f"expected an integer, got {value!r}")
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise WindowError(name, f"expected a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise WindowError(name, "must be finite")
+    return value
+
+
+def _as_array(name: str, kind: str, value: Any) -> np.ndarray:
+    if value is None:
+        raise WindowError(name, "missing")
+    try:
+        arr = np.asarray(value)
+    except ValueError:
+        raise WindowError(name, "ragged nested list (rows of different lengths)") from None
+    if arr.dtype == object:
+        raise WindowError(name, "ragged or non-numeric array")
+    if arr.size == 0 and arr.dtype.kind not in "iuf":
+        arr = arr.astype(np.int64 if kind == "i" else np.float64)
+    if arr.dtype.kind == "b" or arr.dtype.kind not in "iuf":
+        raise WindowError(name, f"expected numbers, got {arr.dtype}")
+    if kind == "i":
+        if arr.dtype.kind == "f":
+            if not np.all(np.isfinite(arr)):
+                raise WindowError(name, "counts must be finite integers")
+            if not np.all(arr == np.round(arr)):
+                raise WindowError(name, "counts must be integers")
+        return arr.astype(np.int64)
+    arr = arr.astype(np.float64)
+    return arr
+
+
+def validate(w: Window) -> None:
+    """Check every invariant of WINDOW.md; raise WindowError naming the first broken field."""
+    if w.schema != SCHEMA:
+        raise WindowError("schema", f"unknown schema {w.schema!r}")
+    for name in ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node"):
+        if getattr(w, name) < 1:
+            raise WindowError(name, "must be at least 1")
+    for name in ("epoch", "steps", "hidden_bytes"):
+        if getattr(w, name) < 0:
+            raise WindowError(name, "must be non-negative")
+    if w.start_time < 0 or w.end_time < w.start_time:
+        raise WindowError("end_time", "must not be before start_time (and both non-negative)")
+    L, E, P, W = w.num_layers, w.num_experts, w.num_slots, w.world_size
+    if P < E:
+        raise WindowError("num_slots", f"{P} slots cannot hold {E} experts")
+    if P % W:
+        raise WindowError("num_slots", f"{P} slots do not divide over {W} ranks")
+    if W % w.ranks_per_node and w.ranks_per_node < W:
+        raise WindowError("ranks_per_node", f"{W} ranks do not split into nodes of {w.ranks_per_node}")
+    if w.top_k > E:
+        raise WindowError("top_k", f"top_k {w.top_k} exceeds {E} experts")
+    sizes = {"L": L, "E": E, "P": P, "W": W, "S": w.steps}
+
+    for name, (kind, dims) in ARRAY_FIELDS.items():
+        arr = getattr(w, name)
+        if arr is None:
+            continue
+        expected = tuple(sizes[d] for d in dims)
+        if arr.shape != expected:
+            pretty = "x".join(f"{d}={sizes[d]}" for d in dims)
+            raise WindowError(name, f"shape {list(arr.shape)} does not match [{pretty}]")
+        if kind == "f" and not np.all(np.isfinite(arr)):
+            raise WindowError(name, "contains NaN or infinity")
+        if np.any(arr < 0):
+            raise WindowError(name, "contains negative values")
+
+    pmap = w.physical_to_logical_map
+    if np.any(pmap >= E):
+        layer, slot = map(int, np.argwhere(pmap >= E)[0])
+        raise WindowError("physical_to_logical_map",
+                          f"layer {layer} slot {slot} holds expert {int(pmap[layer, slot])}, outside [0, {E})")
+    held = np.zeros((L, E), dtype=bool)
+    np.put_along_axis(held, pmap, True, axis=1)
+    if not held.all():
+        layer, expert = map(int, np.argwhere(~held)[0])
+        raise WindowError("physical_to_logical_map", f"layer {layer}: expert {expert} has no slot")
+
+    routed = w.expert_tokens.sum(axis=1)
+    dropped = w.dropped_tokens.sum(axis=1)
+    computed = w.slot_tokens.sum(axis=1)
+    local = w.local_tokens.sum(axis=1)
+    _check_layers("dropped_tokens", w.dropped_tokens > w.expert_tokens,
+                  "an expert dropped more pairs than were routed to it", per_element=True)
+    _check_layers("slot_tokens", computed != routed - dropped,
+                  "sum(slot_tokens) != sum(expert_tokens) - sum(dropped_tokens)")
+    _check_layers("sent_tokens", local + w.sent_tokens.sum(axis=1) != computed,
+                  "sum(local_tokens) + sum(sent_tokens) != sum(slot_tokens)")
+    _check_layers("received_tokens", local + w.received_tokens.sum(axis=1) != computed,
+                  "sum(local_tokens) + sum(received_tokens) != sum(slot_tokens)")
+    per_rank = w.slot_tokens.reshape(L, W, P // W).sum(axis=2)
+    _check_layers("slot_tokens", np.any(per_rank != w.local_tokens + w.received_tokens, axis=1),
+                  "a rank's slots do not add up to its local + received pairs")
+    if w.traffic is not None:
+        diag = np.diagonal(w.traffic, axis1=1, axis2=2)
+        _check_layers("traffic", np.any(diag != w.local_tokens, axis=1),
+                      "the diagonal differs from local_tokens")
+        _check_layers("traffic", np.any(w.traffic.sum(axis=2) != w.local_tokens + w.sent_tokens, axis=1),
+                      "row sums differ from local + sent")
+        _check_layers("traffic", np.any(w.traffic.sum(axis=1) != w.local_tokens + w.received_tokens, axis=1),
+                      "column sums differ from local + received")
+
+
+def _check_layers(name: str, bad: np.ndarray, message: str, per_element: bool = False) -> None:
+    bad = np.asarray(bad)
+    if per_element:
+        bad = bad.reshape(bad.shape[0], -1).any(axis=1)
+    if bad.any():
+        raise WindowError(name, f"layer {int(np.argmax(bad))}: {message}")
+
+
+# --- binary form -------------------------------------------------------------------------------
+# b"MWW1" | u32 header length | header JSON (utf-8) | zero padding to 8 | raw little-endian buffers.
+# The header carries scalars, unknown fields and, per array, dtype, shape, offset and length.
+BINARY_MAGIC = b"MWW1"
+_DTYPES = {"i": "<i8", "f": "<f8"}
+
+
+def encode_binary(w: Window) -> bytes:
+    arrays: dict[str, dict[str, Any]] = {}
+    buffers: list[bytes] = []
+    offset = 0
+    for name, (kind, _) in ARRAY_FIELDS.items():
+        arr = getattr(w, name)
+        if arr is None:
+            continue
+        raw = np.ascontiguousarray(arr, dtype=_DTYPES[kind]).tobytes()
+        arrays[name] = {"dtype": _DTYPES[kind], "shape": list(arr.shape), "offset": offset, "nbytes": len(raw)}
+        buffers.append(raw)
+        offset += len(raw)
+    header = {"schema": w.schema, "arrays": arrays, "extra": dict(w.extra)}
+    header.update({name: getattr(w, name) for name in SCALAR_FIELDS})
+    head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    pad = (-(len(BINARY_MAGIC) + 4 + len(head))) % 8
+    return b"".join([BINARY_MAGIC, struct.pack("<I", len(head)), head, b"\0" * pad, *buffers])
+
+
+def decode_binary(blob: bytes) -> Window:
+    if len(blob) < 8 or blob[:4] != BINARY_MAGIC:
+        raise WindowError("<binary>", "not a moewatch binary window (bad magic)")
+    (head_len,) = struct.unpack_from("<I", blob, 4)
+    if 8 + head_len > len(blob):
+        raise WindowError("<binary>", "truncated header")
+    try:
+        header = json.loads(blob[8:8 + head_len])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise WindowError("<binary>", "header is not valid JSON") from None
+    if not isinstance(header, dict) or not isinstance(header.get("arrays"), dict):
+        raise WindowError("<binary>", "header lacks an arrays table")
+    base = 8 + head_len + ((-(8 + head_len)) % 8)
+    data: dict[str, Any] = {k: v for k, v in header.items() if k not in ("arrays", "extra")}
+    extra = header.get("extra") or {}
+    if not isinstance(extra, dict):
+        raise WindowError("<binary>", "extra must be an object")
+    for name, spec in header["arrays"].items():
+        if not isinstance(spec, dict) or spec.get("dtype") not in _DTYPES.values():
+            raise WindowError(name, f"array dtype must be one of {sorted(_DTYPES.values())}")
+        try:
+            dtype = np.dtype(spec["dtype"])
+            shape = tuple(int(s) for s in spec["shape"])
+            start, nbytes = int(spec["offset"]), int(spec["nbytes"])
+        except (KeyError, TypeError, ValueError):
+            raise WindowError(name, "malformed array descriptor") from None
+        if any(s < 0 for s in shape) or start < 0 or nbytes != dtype.itemsize * math.prod(shape):
+            raise WindowError(name, "array descriptor does not match its shape")
+        if base + start + nbytes > len(blob):
+            raise WindowError(name, "truncated array buffer")
+        arr = np.frombuffer(blob, dtype=dtype, count=math.prod(shape), offset=base + start).reshape(shape)
+        # A newer writer's arrays are kept as plain lists, like unknown JSON fields.
+        data[name] = arr if name in ARRAY_FIELDS else arr.tolist()
+    for name in ARRAY_FIELDS:
+        data.setdefault(name, None)
+    for key, value in extra.items():
+        data.setdefault(key, value)
+    return Window.from_dict(data)
+
+
+# --- derived quantities (WINDOW.md, "What the triage derives") --------------------------------
+# Each returns one value per layer: an array of shape [L] unless said otherwise.
+
+def _ratio(num: np.ndarray, den: np.ndarray, empty: float = 0.0) -> np.ndarray:
+    num = np.asarray(num, dtype=np.float64)
+    den = np.asarray(den, dtype=np.float64)
+    out = np.full(np.broadcast(num, den).shape, empty, dtype=np.float64)
+    np.divide(num, den, out=out, where=den > 0)
+    return out
+
+
+def a2a_seconds(w: Window) -> np.ndarray:
+    """[L, W] dispatch + combine seconds per rank, summed over the window's steps."""
+    return w.dispatch_seconds + w.combine_seconds
+
+
+def a2a_share(w: Window) -> np.ndarray:
+    """[L] (dispatch + combine) / layer time, both summed over ranks."""
+    return _ratio(a2a_seconds(w).sum(axis=1), w.layer_seconds.sum(axis=1))
+
+
+def rank_load(w: Window) -> np.ndarray:
+    """[L, W] pairs each rank computed: local + received."""
+    return w.local_tokens + w.received_tokens
+
+
+def rank_load_max_min(w: Window) -> np.ndarray:
+    """[L] max/min of rank load; inf where a rank computed nothing while another did."""
+    load = rank_load(w)
+    hi, lo = load.max(axis=1).astype(np.float64), load.min(axis=1).astype(np.float64)
+    out = np.ones(w.num_layers)
+    busy = hi > 0
+    out[busy] = np.where(lo[busy] > 0, hi[busy] / np.maximum(lo[busy], 1.0), math.inf)
+    return out
+
+
+def rank_load_max_mean(w: Window) -> np.ndarray:
+    """[L] max/mean of rank load (1.0 is perfect balance; an idle layer reads 1.0)."""
+    load = rank_load(w)
+    return _ratio(load.max(axis=1), load.mean(axis=1), empty=1.0)
+
+
+def rank_load_cv(w: Window) -> np.ndarray:
+    """[L] std/mean of rank load (the seeds' expert-load-per-card dispersion)."""
+    load = rank_load(w)
+    return _ratio(load.std(axis=1), load.mean(axis=1))
+
+
+def balancedness(w: Window) -> np.ndarray:
+    """[L] mean/max of rank load, in (0, 1]; 1.0 for an idle layer (vLLM and SGLang convention)."""
+    load = rank_load(w)
+    return _ratio(load.mean(axis=1), load.max(axis=1), empty=1.0)
+
+
+def expert_load_cv(w: Window) -> np.ndarray:
+    """[L] std/mean of pairs routed to each logical expert (before capacity)."""
+    load = w.expert_tokens
+    return _ratio(load.std(axis=1), load.mean(axis=1))
+
+
+def hot_experts(w: Window, multiple: float) -> list[list[int]]:
+    """Per layer, experts routed more than `multiple` x the mean expert load, hottest first."""
+    out = []
+    for row in w.expert_tokens:
+        mean = row.mean()
+        hot = np.flatnonzero(row > multiple * mean) if mean > 0 else np.array([], dtype=int)
+        out.append([int(e) for e in hot[np.argsort(-row[hot], kind="stable")]])
+    return out
+
+
+def cross_rank_ratio(w: Window) -> np.ndarray:
+    """[L] share of computed pairs whose slot was on another rank: sent / (local + sent)."""
+    sent = w.sent_tokens.sum(axis=1)
+    return _ratio(sent, w.local_tokens.sum(axis=1) + sent)
+
+
+def expected_cross_rank_ratio(w: Window) -> np.ndarray:
+    """[L] cross-rank ratio the placement predicts for this window's expert load.
+
+    Tokens are assumed to start evenly over ranks and to use a local replica when their rank holds
+    one (the runtime's replica policy): expert e stays local with probability (ranks holding e) / W.
+    With one replica per expert this is 1 - 1/W whatever the load; replicas lower it. A measured
+    ratio well above it means tokens' home ranks and their experts' ranks are anti-correlated.
+    """
+    L, E, W = w.num_layers, w.num_experts, w.world_size
+    holds = np.zeros((L, E, W), dtype=bool)
+    layer_idx = np.repeat(np.arange(L), w.num_slots)
+    holds[layer_idx, w.physical_to_logical_map.ravel(), np.tile(w.slot_rank, L)] = True
+    local_prob = holds.sum(axis=2) / W  # [L, E]
+    kept = w.expert_tokens - w.dropped_tokens
+    total = kept.sum(axis=1)
+    expected_local = _ratio((kept * local_prob).sum(axis=1), total)
+    return np.where(total > 0, 1.0 - expected_local, 1.0 - 1.0 / W)
+
+
+def overflow_rate(w: Window) -> np.ndarray:
+    """[L] (dropped + rerouted) / routed pairs."""
+    return _ratio((w.dropped_tokens + w.rerouted_tokens).sum(axis=1), w.expert_tokens.sum(axis=1))
+
+
+def effective_capacity_factor(w: Window) -> np.ndarray:
+    """[L] computed pairs over the capacity granted, C x k x tokens; NaN where dropless (C = 0).
+
+    Seed 002 asks for C_eff > 0.8: the share of the capacity buffer doing useful work. A layer
+    padded far beyond its load (C = 2 on balanced routing) reads about 0.5.
+    """
+    granted = w.capacity_factor * w.top_k * float(w.step_tokens.sum())
+    computed = w.slot_tokens.sum(axis=1).astype(np.float64)
+    out = np.full(w.num_layers, np.nan)
+    np.divide(computed, granted, out=out, where=granted > 0)
+    return out
+
+
+def a2a_lower_bound_seconds(w: Window, link_bandwidth_bytes_per_s: float) -> np.ndarray:
+    """[L] Aurora's bound on dispatch + combine time for the window.
+
+    max over ranks of sent or received pairs x hidden_bytes / bandwidth, once per direction
+    (combine moves the same bytes back). Summed over steps, this stays a lower bound because the
+    sum of per-step maxima is at least the maximum of the sums.
+    """
+    if link_bandwidth_bytes_per_s <= 0:
+        raise ValueError("link_bandwidth_bytes_per_s must be positive")
+    busiest = np.maximum(w.sent_tokens.max(axis=1), w.received_tokens.max(axis=1))
+    return 2.0 * busiest * w.hidden_bytes / link_bandwidth_bytes_per_s
+
+
+def a2a_measured_seconds(w: Window) -> np.ndarray:
+    """[L] all-to-all time of the group: the slowest rank's dispatch + combine (a collective ends
+    when its last rank does)."""
+    return a2a_seconds(w).max(axis=1)
+
+
+def a2a_efficiency(w: Window, link_bandwidth_bytes_per_s: float) -> np.ndarray:
+    """[L] Aurora bound over measured all-to-all time, in [0, 1] (1 = at the bound); the inverse
+    of measured-over-bound. NaN where nothing was measured."""
+    bound = a2a_lower_bound_seconds(w, link_bandwidth_bytes_per_s)
+    measured = a2a_measured_seconds(w)
+    out = np.full(w.num_layers, np.nan)
+    np.divide(bound, measured, out=out, where=measured > 0)
+    return np.minimum(out, 1.0, where=~np.isnan(out), out=out)
+
+
+def mean_message_bytes(w: Window) -> np.ndarray:
+    """[L] mean bytes per rank-to-rank message per step and direction (the small-message signal:
+    seed 002 puts fixed per-message cost in charge below 32 KB)."""
+    messages = w.steps * w.world_size * max(w.world_size - 1, 1)
+    return _ratio(w.sent_tokens.sum(axis=1) * float(w.hidden_bytes), np.full(w.num_layers, messages))
+
+
+def compute_max_mean(w: Window) -> np.ndarray:
+    """[L] slowest rank's expert compute time over the mean (a hardware straggler at even load)."""
+    return _ratio(w.compute_seconds.max(axis=1), w.compute_seconds.mean(axis=1), empty=1.0)

@@ -1,0 +1,1 @@
+"""The reference expert-parallel runtime and the probe (torch + triton)."""
