@@ -1,0 +1,145 @@
+"""The core's verbs: `moewatch diagnose` and `moewatch examples` (numpy only, no torch, no agent)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .telemetry import Window, WindowError
+from .thresholds import ConfigError, thresholds_from_cli, thresholds_options
+from .triage import VERDICTS, WindowDiagnosis, diagnose as triage_window
+
+# Verdict order for --fail-on and the table's colour.
+_COLOURS = {"healthy": "green", "comm-bound": "yellow", "imbalance-bound": "red"}
+
+
+def fail_input(message: str) -> None:
+    """Bad input: one line on stderr, exit 2 (the CLI contract)."""
+    click.echo(f"moewatch: error: {message}", err=True)
+    sys.exit(2)
+
+
+def load_window(source: str) -> Window:
+    """A Window from a JSON or binary window file; exits 2 with one line on any problem."""
+    path = Path(source)
+    if not path.exists():
+        fail_input(f"{source}: no such file")
+    if path.is_dir():
+        fail_input(f"{source}: is a folder, expected a window file")
+    try:
+        blob = path.read_bytes()
+    except OSError as exc:
+        fail_input(f"{source}: cannot read ({exc.strerror})")
+    try:
+        if blob[:4] == b"MWW1":
+            return Window.from_bytes(blob)
+        if not blob.strip():
+            fail_input(f"{source}: empty file")
+        return Window.from_json(blob)
+    except WindowError as exc:
+        fail_input(f"{source}: invalid window: {exc}")
+    raise AssertionError("unreachable")
+
+
+def format_table(diagnosis: WindowDiagnosis, colour: bool) -> str:
+    rows = []
+    header = ("layer", "verdict", "cause", "ovfl", "a2a", "rank max/mean", "expert cv", "cross/pred",
+              "balanced", "first action")
+    for d in diagnosis.worst_first():
+        m = d.metrics
+        first = d.actions[0] if d.actions else None
+        rows.append((
+            str(d.layer), d.verdict, d.cause or "-", f"{m['overflow_rate']:.1%}" if d.overflow else "-",
+            f"{m['a2a_share']:.0%}", f"{m['rank_load_max_mean']:.2f}", f"{m['expert_load_cv']:.2f}",
+            f"{m['cross_rank_ratio']:.0%}/{m['expected_cross_rank_ratio']:.0%}", f"{m['balancedness']:.3f}",
+            f"{first.kind} (-{first.predicted_gain:.0%}): {first.summary}" if first else "-"))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)) + "  " + header[-1]]
+    for row in rows:
+        cells = [c.ljust(w) for c, w in zip(row, widths)]
+        if colour:
+            cells[1] = click.style(cells[1], fg=_COLOURS[row[1]])
+        lines.append("  ".join(cells) + "  " + row[-1])
+    return "\n".join(lines)
+
+
+def format_summary(diagnosis: WindowDiagnosis) -> str:
+    s, ident = diagnosis.summary, diagnosis.identity
+    counts = ", ".join(f"{n} {v}" for v, n in s["verdicts"].items())
+    lines = [f"{ident['model']} / {ident['ep_group']} ({ident['runtime']}), epoch {ident['epoch']}: "
+             f"{ident['num_layers']} layers, {ident['num_experts']} experts in {ident['num_slots']} slots "
+             f"on {ident['world_size']} ranks, {ident['steps']} steps",
+             f"verdicts: {counts}; mean balancedness {s['balancedness_mean']:.3f}"]
+    slow = s["slowest_rank"]
+    if slow["compute_share"] is not None:
+        lines.append(f"slowest rank: {slow['rank']} ({slow['compute_share']:.0%} of expert compute time)")
+    if s["hot_experts_across_layers"]:
+        hot = ", ".join(f"{h['expert']} in {h['layers']} layers" for h in s["hot_experts_across_layers"][:5])
+        lines.append(f"experts hot across layers: {hot}")
+    if s["step_p99_seconds"] is not None:
+        lines.append(f"step p50 {s['step_p50_seconds'] * 1e3:.2f} ms, p99 {s['step_p99_seconds'] * 1e3:.2f} ms")
+    return "\n".join(lines)
+
+
+def _parse_fail_on(value: str | None) -> set[str]:
+    if not value:
+        return set()
+    wanted = {v.strip() for v in value.split(",") if v.strip()}
+    unknown = wanted - set(VERDICTS)
+    if unknown:
+        raise click.BadParameter(f"unknown verdict(s) {', '.join(sorted(unknown))}; choose from {', '.join(VERDICTS)}",
+                                 param_hint="--fail-on")
+    return wanted
+
+
+@click.command()
+@click.argument("source")
+@click.option("--json", "as_json", is_flag=True, help="Print only the diagnosis as JSON.")
+@click.option("--fail-on", default=None, metavar="VERDICTS",
+              help="Comma-separated verdicts; exit 1 when any layer has one (e.g. comm-bound,imbalance-bound).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="YAML file of thresholds (a mapping, optionally under `thresholds:`).")
+@click.option("--explain/--no-explain", default=False, help="Print each unhealthy layer's evidence in full.")
+@thresholds_options
+def diagnose(source: str, as_json: bool, fail_on: str | None, config_path: str | None, explain: bool,
+             **threshold_flags) -> None:
+    """Triage SOURCE (a window file, JSON or binary) layer by layer, in the documented order."""
+    verdicts_failing = _parse_fail_on(fail_on)
+    try:
+        thresholds = thresholds_from_cli(config_path, **threshold_flags)
+    except ConfigError as exc:
+        fail_input(str(exc))
+    window = load_window(source)
+    result = triage_window(window, thresholds)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=1, allow_nan=False))
+    else:
+        colour = sys.stdout.isatty()
+        click.echo(format_summary(result))
+        click.echo()
+        click.echo(format_table(result, colour))
+        if explain:
+            for d in result.worst_first():
+                if d.verdict == "healthy" and not d.overflow:
+                    continue
+                click.echo(f"\nlayer {d.layer}: {d.verdict}" + (f" ({d.cause})" if d.cause else ""))
+                for line in d.evidence:
+                    click.echo(f"  - {line}")
+                for a in d.actions:
+                    click.echo(f"  -> {a.kind}: {a.summary} (predicted -{a.predicted_gain:.0%} layer time)")
+    if verdicts_failing and any(d.verdict in verdicts_failing for d in result.layers):
+        sys.exit(1)
+
+
+@click.command()
+@click.argument("folder", default="examples")
+@click.option("--seed", type=int, default=None, help="Random seed (default: the documented EXAMPLE_SEED).")
+def examples(folder: str, seed: int | None) -> None:
+    """Write one simulated window per verdict into FOLDER (default examples/)."""
+    from .examples import EXAMPLE_SEED, write_examples
+
+    for path in write_examples(folder, EXAMPLE_SEED if seed is None else seed):
+        click.echo(str(path))

@@ -1,0 +1,222 @@
+"""Example windows, one per verdict, simulated from a routing and timing model (numpy only).
+
+Each scenario routes tokens (top-k over a per-layer expert distribution), applies the capacity
+factor before dispatch, picks replicas the runtime's way (a replica on the token's own rank first,
+else spread evenly), and times each step with a simple EP model in which every rank starts the layer
+together and the combine all-to-all ends when the slowest rank's compute does, so fast ranks wait
+inside the collective (the effect the triage order exists to see through).
+
+`write_examples(folder, seed=EXAMPLE_SEED)` is what produced examples/*.json.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from .telemetry import Window
+
+EXAMPLE_SEED = 20261130
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Knobs of one simulated EP group. Times in seconds, bandwidth in bytes/s."""
+
+    name: str
+    intended_verdict: str
+    intended_cause: str | None
+    intended_overflow: bool
+    world_size: int = 4
+    num_layers: int = 4
+    num_experts: int = 16
+    extra_slots: int = 0  # replicas beyond one slot per expert (slot budget P - E)
+    top_k: int = 2
+    tokens_per_step: int = 4096
+    steps: int = 8
+    hidden_bytes: int = 8192  # hidden 4096 x bf16
+    zipf: float = 0.0  # exponent of expert popularity (0 = uniform)
+    hot_experts: tuple[int, ...] = ()  # experts given `hot_weight` x the popularity of the others
+    hot_weight: float = 1.0
+    home_bias: float = 0.0  # share of a token's picks forced onto experts of the next rank (bad mapping)
+    capacity_factor: float = 0.0
+    link_bandwidth: float = 4.5e11
+    message_latency: float = 2e-5  # fixed cost of one all-to-all
+    seconds_per_pair: float = 7e-7  # expert compute per pair (SwiGLU 4096 x 14336 at ~500 TFLOP/s)
+    router_seconds: float = 5e-5
+    slow_rank_factor: float = 1.0  # rank 0's compute slowed by this (a hardware straggler)
+    jitter: float = 0.03
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
+    Scenario("healthy", "healthy", None, False),
+    Scenario("comm-bound-volume", "comm-bound", "volume", False, link_bandwidth=1.2e10),
+    Scenario("comm-bound-small-batch", "comm-bound", "small-batch", False, tokens_per_step=16,
+             message_latency=6e-5, seconds_per_pair=2e-6),
+    Scenario("comm-bound-placement", "comm-bound", "placement", False, link_bandwidth=1.2e10, home_bias=0.9),
+    Scenario("imbalance-hot-experts", "imbalance-bound", "hot-experts", False,
+             hot_experts=(1, 2, 3), hot_weight=8.0),
+    Scenario("imbalance-straggler", "imbalance-bound", "straggler", False, slow_rank_factor=1.8),
+    Scenario("overflow", "healthy", None, True, zipf=0.5, capacity_factor=1.25),
+]}
+
+
+def _placement(s: Scenario) -> np.ndarray:
+    """[L, P] contiguous placement; extra slots replicate the first experts."""
+    base = np.arange(s.num_experts)
+    pmap = np.concatenate([base, base[: s.extra_slots]])
+    return np.tile(pmap, (s.num_layers, 1))
+
+
+def _popularity(s: Scenario, layer: int, rng: np.random.Generator) -> np.ndarray:
+    ranks = np.arange(1, s.num_experts + 1, dtype=np.float64)
+    weights = ranks ** (-s.zipf) if s.zipf else np.ones(s.num_experts)
+    weights = weights[rng.permutation(s.num_experts)] if s.zipf else weights
+    for e in s.hot_experts:
+        weights[e] *= s.hot_weight
+    return weights / weights.sum()
+
+
+def _route_step(s: Scenario, popularity: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """[W, E] pairs from each rank's tokens to each logical expert for one step (top-k distinct)."""
+    W, E = s.world_size, s.num_experts
+    per_expert_rank = E // W
+    tokens_per_rank = np.bincount(np.arange(s.tokens_per_step) % W, minlength=W)
+    counts = np.zeros((W, E), dtype=np.int64)
+    for r in range(W):
+        n = int(tokens_per_rank[r])
+        if n == 0:
+            continue
+        probs = popularity.copy()
+        if s.home_bias:
+            away = np.zeros(E, dtype=bool)
+            nxt = (r + 1) % W
+            away[nxt * per_expert_rank:(nxt + 1) * per_expert_rank] = True
+            probs = (1 - s.home_bias) * probs + s.home_bias * away / away.sum()
+        # top-k distinct experts per token: Gumbel top-k sampling over log-probabilities.
+        keys = np.log(probs)[None, :] + rng.gumbel(size=(n, E))
+        picks = np.argpartition(-keys, s.top_k - 1, axis=1)[:, : s.top_k]
+        counts[r] = np.bincount(picks.ravel(), minlength=E)
+    return counts
+
+
+def _apply_capacity(s: Scenario, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drop pairs over ceil(C * N * k / E) per expert (taking from the most loaded ranks first)."""
+    dropped = np.zeros(s.num_experts, dtype=np.int64)
+    if s.capacity_factor <= 0:
+        return counts, dropped
+    cap = math.ceil(s.capacity_factor * s.tokens_per_step * s.top_k / s.num_experts)
+    counts = counts.copy()
+    for e in np.flatnonzero(counts.sum(axis=0) > cap):
+        excess = int(counts[:, e].sum() - cap)
+        dropped[e] = excess
+        for r in np.argsort(-counts[:, e], kind="stable"):
+            take = min(excess, int(counts[r, e]))
+            counts[r, e] -= take
+            excess -= take
+            if excess == 0:
+                break
+    return counts, dropped
+
+
+def _to_slots(pmap_row: np.ndarray, counts: np.ndarray, world_size: int) -> np.ndarray:
+    """[W, P] pairs from each rank to each slot: a local replica first, else spread evenly."""
+    W, P = world_size, len(pmap_row)
+    slot_rank = np.arange(P) // (P // W)
+    out = np.zeros((W, P), dtype=np.int64)
+    for e in range(counts.shape[1]):
+        slots = np.flatnonzero(pmap_row == e)
+        for r in range(W):
+            n = int(counts[r, e])
+            if n == 0:
+                continue
+            local = slots[slot_rank[slots] == r]
+            targets = local if len(local) else slots
+            share, rest = divmod(n, len(targets))
+            out[r, targets] += share
+            out[r, targets[:rest]] += 1
+    return out
+
+
+def simulate(s: Scenario, seed: int = EXAMPLE_SEED, start_time: float | None = None) -> Window:
+    """One window of the scenario. Deterministic for a given seed."""
+    rng = np.random.default_rng(seed)
+    L, E, W = s.num_layers, s.num_experts, s.world_size
+    pmap = _placement(s)
+    P = pmap.shape[1]
+    if P % W:
+        raise ValueError(f"{P} slots do not divide over {W} ranks")
+    shape_lw = (L, W)
+    z = dict(expert=np.zeros((L, E), np.int64), slot=np.zeros((L, P), np.int64),
+             dropped=np.zeros((L, E), np.int64), traffic=np.zeros((L, W, W), np.int64))
+    times = {k: np.zeros(shape_lw) for k in ("dispatch", "combine", "compute", "layer")}
+    step_seconds = np.zeros(s.steps)
+    slowdown = np.ones(W)
+    slowdown[0] = s.slow_rank_factor
+    popularity = [_popularity(s, layer, rng) for layer in range(L)]
+    for step in range(s.steps):
+        for layer in range(L):
+            routed = _route_step(s, popularity[layer], rng)
+            kept, dropped = _apply_capacity(s, routed)
+            to_slot = _to_slots(pmap[layer], kept, W)
+            traffic = to_slot.reshape(W, W, P // W).sum(axis=2)
+            z["expert"][layer] += routed.sum(axis=0)
+            z["dropped"][layer] += dropped
+            z["slot"][layer] += to_slot.sum(axis=0)
+            z["traffic"][layer] += traffic
+
+            noise = 1 + s.jitter * rng.standard_normal(W).clip(-2, 2)
+            cross = traffic - np.diag(np.diag(traffic))
+            busiest_bytes = max(cross.sum(axis=1).max(), cross.sum(axis=0).max()) * s.hidden_bytes
+            transfer = s.message_latency + busiest_bytes / s.link_bandwidth
+            compute = traffic.sum(axis=0) * s.seconds_per_pair * slowdown * noise
+            # Everyone leaves dispatch together; combine ends when the slowest compute has been sent.
+            finish = compute.max() + transfer
+            dispatch = np.full(W, transfer)
+            combine = finish - compute
+            times["dispatch"][layer] += dispatch
+            times["compute"][layer] += compute
+            times["combine"][layer] += combine
+            times["layer"][layer] += s.router_seconds + dispatch + compute + combine
+        step_seconds[step] = times["layer"].max(axis=1).sum() / (step + 1)
+    traffic = z["traffic"]
+    local = np.diagonal(traffic, axis1=1, axis2=2).copy()
+    start = time.time() if start_time is None else start_time
+    total = float(times["layer"].max(axis=1).sum())
+    per_step = np.full(s.steps, total / s.steps) * (1 + s.jitter * rng.standard_normal(s.steps).clip(-2, 2))
+    return Window(
+        runtime="moewatch-examples", model=f"example-{s.name}", ep_group="example", world_size=W,
+        ranks_per_node=W, num_layers=L, num_experts=E, num_slots=P, top_k=s.top_k, epoch=0, steps=s.steps,
+        start_time=start, end_time=start + total, hidden_bytes=s.hidden_bytes,
+        physical_to_logical_map=pmap, expert_tokens=z["expert"], slot_tokens=z["slot"],
+        dropped_tokens=z["dropped"], rerouted_tokens=np.zeros((L, E), np.int64),
+        capacity_factor=np.full(L, s.capacity_factor), local_tokens=local,
+        sent_tokens=traffic.sum(axis=2) - local, received_tokens=traffic.sum(axis=1) - local, traffic=traffic,
+        dispatch_seconds=times["dispatch"], combine_seconds=times["combine"], compute_seconds=times["compute"],
+        layer_seconds=times["layer"], step_seconds=np.abs(per_step),
+        step_tokens=np.full(s.steps, s.tokens_per_step),
+        extra={"example": {"scenario": s.name, "seed": seed, "intended_verdict": s.intended_verdict,
+                           "intended_cause": s.intended_cause, "intended_overflow": s.intended_overflow}},
+    )
+
+
+def write_examples(folder: str | Path, seed: int = EXAMPLE_SEED) -> list[Path]:
+    """Write one window per scenario as `<name>.json` into folder; returns the paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, scenario in enumerate(SCENARIOS.values()):
+        window = simulate(scenario, seed=seed + i, start_time=1_790_000_000.0)
+        path = folder / f"{scenario.name}.json"
+        path.write_text(window.to_json(indent=1) + "\n")
+        paths.append(path)
+    return paths
+
+
+def scenario(name: str, **changes) -> Scenario:
+    """A named scenario with some knobs changed (for tests and demos)."""
+    return replace(SCENARIOS[name], **changes)

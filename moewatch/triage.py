@@ -1,0 +1,378 @@
+"""The documented triage order (seed 000, "observable signals and fault location"), per layer.
+
+1. All-to-all share of layer time: at or above `comm_share`, communication dominates.
+2. Dispersion of per-rank load (std/mean, max/mean): large means load imbalance. A fast rank's
+   all-to-all time includes its wait for the straggler, so a high share *with* large dispersion is
+   imbalance, not volume: this step is what tells the two apart.
+3. Cross-rank ratio against what the placement predicts: well above it means the expert-to-rank
+   mapping drives the traffic; at the prediction, the traffic is the inherent volume.
+
+Verdicts and causes:
+- imbalance-bound / hot-experts: ranks imbalanced and a few experts carry the load.
+- imbalance-bound / straggler: ranks imbalanced without hot experts (the packing puts too much on
+  one rank), or, at even load, one rank's expert compute is much slower (a slow device).
+- comm-bound / small-batch: balanced, comm-dominated, messages under the seed's 32 KB.
+- comm-bound / placement: balanced, comm-dominated, cross-rank ratio above the prediction.
+- comm-bound / volume: balanced, comm-dominated, traffic as the placement predicts.
+- healthy otherwise. `overflow` is a flag on top of any verdict.
+
+Every predicted gain is the share of the layer's per-step time an action is expected to remove,
+estimated from this window alone (the planner's cost model refines it). Pure functions of a Window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import telemetry as tm
+from .telemetry import Window
+from .thresholds import Thresholds
+
+HEALTHY, COMM_BOUND, IMBALANCE_BOUND = "healthy", "comm-bound", "imbalance-bound"
+VERDICTS = (HEALTHY, COMM_BOUND, IMBALANCE_BOUND)
+CAUSES = ("volume", "placement", "small-batch", "hot-experts", "straggler")
+ACTION_KINDS = ("replicate", "capacity", "placement", "batch")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # one of ACTION_KINDS
+    predicted_gain: float  # share of the layer's per-step time removed, in [0, 1)
+    summary: str  # one sentence for an operator
+    params: dict[str, Any] = field(default_factory=dict)  # experts, value, ...
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "predicted_gain": round(self.predicted_gain, 4), "summary": self.summary,
+                **self.params}
+
+
+@dataclass(frozen=True)
+class LayerDiagnosis:
+    layer: int
+    verdict: str
+    cause: str | None
+    overflow: bool
+    metrics: dict[str, Any]
+    evidence: list[str]
+    actions: list[Action]
+    # Seconds per step this layer could save with its best action: the ranking key.
+    seconds_at_stake: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "verdict": self.verdict, "cause": self.cause, "overflow": self.overflow,
+                "seconds_at_stake": _finite(self.seconds_at_stake), "metrics": self.metrics,
+                "evidence": self.evidence, "actions": [a.to_dict() for a in self.actions]}
+
+
+@dataclass(frozen=True)
+class WindowDiagnosis:
+    identity: dict[str, Any]
+    layers: list[LayerDiagnosis]  # in layer order
+    summary: dict[str, Any]
+
+    def worst_first(self) -> list[LayerDiagnosis]:
+        return sorted(self.layers, key=_severity_key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.identity, "summary": self.summary, "layers": [d.to_dict() for d in self.layers]}
+
+
+def _severity_key(d: LayerDiagnosis) -> tuple:
+    return (d.verdict == HEALTHY, not d.overflow, -d.seconds_at_stake, d.layer)
+
+
+def _finite(x: Any) -> Any:
+    """JSON-safe number: non-finite becomes None."""
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else None
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+# --- load-shape estimates behind the predicted gains ------------------------------------------
+
+def pack_max_load(item_loads: np.ndarray, num_ranks: int, slots_per_rank: int) -> float:
+    """Busiest rank's load after greedy packing (heaviest item to the least-loaded rank with a free
+    slot). item_loads: [n] with n <= num_ranks * slots_per_rank. An estimate, not the planner."""
+    loads = np.zeros(num_ranks)
+    free = np.full(num_ranks, slots_per_rank)
+    for item in np.sort(np.asarray(item_loads, dtype=np.float64))[::-1]:
+        open_ranks = np.flatnonzero(free > 0)
+        target = open_ranks[np.argmin(loads[open_ranks])]
+        loads[target] += item
+        free[target] -= 1
+    return float(loads.max())
+
+
+def replica_split(expert_load: np.ndarray, experts: list[int], extra_slots: int) -> np.ndarray:
+    """Slot loads after giving `extra_slots` replicas to `experts`, one at a time to whichever of
+    them has the most load per replica. expert_load: [E] -> [E + extra_slots]."""
+    expert_load = np.asarray(expert_load, dtype=np.float64)
+    replicas = {e: 1 for e in experts}
+    for _ in range(extra_slots):
+        e = max(experts, key=lambda x: expert_load[x] / replicas[x])
+        replicas[e] += 1
+    parts = [np.full(replicas.get(e, 1), expert_load[e] / replicas.get(e, 1)) for e in range(len(expert_load))]
+    return np.concatenate(parts)
+
+
+def capacity_for_overflow(expert_load: np.ndarray, target: float) -> float:
+    """Smallest capacity factor C (capacity = C x mean expert load) whose overflow share of the
+    routed pairs stays at or under `target`, assuming the window's per-expert shares hold per step.
+    expert_load: [E]. Returns 0.0 for an idle layer."""
+    load = np.sort(np.asarray(expert_load, dtype=np.float64))[::-1]
+    total, mean = load.sum(), load.mean()
+    if total <= 0:
+        return 0.0
+    budget = target * total
+    # overflow(C) = sum(max(0, load - C*mean)) is piecewise linear and decreasing in C: walk the
+    # breakpoints (the loads themselves) until the budget is met, then interpolate within the piece.
+    for n_over in range(1, len(load) + 1):
+        next_level = load[n_over] if n_over < len(load) else 0.0
+        overflow_at_next = float((load[:n_over] - next_level).sum())
+        if overflow_at_next > budget or n_over == len(load):
+            cap = (load[:n_over].sum() - budget) / n_over
+            return float(max(cap, 0.0) / mean)
+    return float(load[0] / mean)  # pragma: no cover - loop always returns
+
+
+def overflow_at_capacity(expert_load: np.ndarray, capacity_factor: float) -> float:
+    """Share of routed pairs over capacity when capacity = C x mean expert load. expert_load: [E]."""
+    load = np.asarray(expert_load, dtype=np.float64)
+    total = load.sum()
+    if total <= 0 or capacity_factor <= 0:
+        return 0.0
+    return float(np.maximum(load - capacity_factor * load.mean(), 0.0).sum() / total)
+
+
+# --- the triage --------------------------------------------------------------------------------
+
+def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
+    """The numbers behind each layer's verdict, JSON-ready (per-step values divide by w.steps)."""
+    steps = max(w.steps, 1)
+    share = tm.a2a_share(w)
+    load = tm.rank_load(w)
+    cols = {
+        "a2a_share": share,
+        "rank_load_max_min": tm.rank_load_max_min(w),
+        "rank_load_max_mean": tm.rank_load_max_mean(w),
+        "rank_load_cv": tm.rank_load_cv(w),
+        "balancedness": tm.balancedness(w),
+        "expert_load_cv": tm.expert_load_cv(w),
+        "cross_rank_ratio": tm.cross_rank_ratio(w),
+        "expected_cross_rank_ratio": tm.expected_cross_rank_ratio(w),
+        "overflow_rate": tm.overflow_rate(w),
+        "effective_capacity_factor": tm.effective_capacity_factor(w),
+        "a2a_efficiency": tm.a2a_efficiency(w, t.link_bandwidth_bytes_per_second),
+        "a2a_lower_bound_seconds_per_step": tm.a2a_lower_bound_seconds(w, t.link_bandwidth_bytes_per_second) / steps,
+        "a2a_seconds_per_step": tm.a2a_measured_seconds(w) / steps,
+        "dispatch_seconds_per_step": w.dispatch_seconds.max(axis=1) / steps,
+        "combine_seconds_per_step": w.combine_seconds.max(axis=1) / steps,
+        "compute_seconds_per_step": w.compute_seconds.max(axis=1) / steps,
+        "layer_seconds_per_step": w.layer_seconds.max(axis=1) / steps,
+        "compute_max_mean": tm.compute_max_mean(w),
+        "mean_message_bytes": tm.mean_message_bytes(w),
+        "capacity_factor": w.capacity_factor,
+    }
+    hot = tm.hot_experts(w, t.hot_expert_multiple)
+    out = []
+    for layer in range(w.num_layers):
+        row = {name: _finite(float(col[layer])) for name, col in cols.items()}
+        row.update({
+            "routed_pairs": int(w.expert_tokens[layer].sum()),
+            "dropped_pairs": int(w.dropped_tokens[layer].sum()),
+            "rerouted_pairs": int(w.rerouted_tokens[layer].sum()),
+            "rank_load": [int(x) for x in load[layer]],
+            "busiest_rank": int(np.argmax(load[layer])),
+            "hot_experts": hot[layer],
+        })
+        out.append(row)
+    return out
+
+
+def diagnose_layer(w: Window, layer: int, m: dict[str, Any], t: Thresholds) -> LayerDiagnosis:
+    """Apply the documented order to one layer's metrics `m` (from layer_metrics)."""
+    evidence: list[str] = []
+    overflow = (m["overflow_rate"] or 0.0) > t.overflow_rate
+    layer_step = m["layer_seconds_per_step"] or 0.0
+
+    if m["routed_pairs"] < t.min_routed_pairs or layer_step <= 0:
+        evidence.append("The layer routed no pairs in this window: nothing to judge.")
+        return LayerDiagnosis(layer, HEALTHY, None, False, m, evidence, [], 0.0)
+
+    # 1. Is communication dominant?
+    share = m["a2a_share"]
+    comm = share >= t.comm_share
+    evidence.append(
+        f"All-to-all takes {share:.0%} of layer time (threshold {t.comm_share:.0%}): "
+        + ("communication dominates." if comm else "communication does not dominate."))
+
+    # 2. Are the ranks balanced?
+    busiest, cv, max_mean = m["busiest_rank"], m["rank_load_cv"], m["rank_load_max_mean"]
+    imbalanced = cv > t.rank_load_cv or max_mean > t.rank_load_max_mean
+    max_min = m["rank_load_max_min"]
+    max_min_text = "inf" if max_min is None else f"{max_min:.2f}"
+    if imbalanced:
+        evidence.append(
+            f"Rank {busiest} computes {max_mean:.2f}x the mean load (max/min {max_min_text}, "
+            f"std/mean {cv:.2f}; threshold {t.rank_load_cv:.2f}): the other ranks wait for it"
+            + (" inside the all-to-all." if comm else "."))
+    else:
+        evidence.append(f"Ranks are balanced: std/mean {cv:.2f}, max/mean {max_mean:.2f}.")
+    hot = m["hot_experts"]
+    skewed = bool(hot) and m["expert_load_cv"] > t.expert_load_cv
+    if hot:
+        mean_expert = m["routed_pairs"] / w.num_experts
+        shown = ", ".join(f"{e} ({w.expert_tokens[layer, e] / mean_expert:.1f}x)" for e in hot[:5])
+        evidence.append(f"Hot experts (over {t.hot_expert_multiple:g}x the mean load): {shown}; "
+                        f"expert load std/mean {m['expert_load_cv']:.2f}.")
+
+    # 3. Does the mapping drive the traffic?
+    cross, expected = m["cross_rank_ratio"], m["expected_cross_rank_ratio"]
+    mapping_driven = cross > expected + t.cross_rank_margin
+    evidence.append(
+        f"{cross:.0%} of pairs cross ranks; the placement predicts {expected:.0%}"
+        + (": the expert-to-rank mapping drives the traffic." if mapping_driven else "."))
+    small = (m["mean_message_bytes"] or 0.0) < t.small_message_bytes
+
+    if imbalanced:
+        verdict, cause = IMBALANCE_BOUND, ("hot-experts" if skewed else "straggler")
+    elif comm:
+        verdict = COMM_BOUND
+        if small:
+            cause = "small-batch"
+            evidence.append(f"Messages average {m['mean_message_bytes']:.0f} B, under "
+                            f"{t.small_message_bytes:.0f} B: fixed per-message cost dominates.")
+        else:
+            cause = "placement" if mapping_driven else "volume"
+    elif m["compute_max_mean"] > t.compute_straggler_max_mean:
+        verdict, cause = IMBALANCE_BOUND, "straggler"
+        slow = int(np.argmax(w.compute_seconds[layer]))
+        evidence.append(f"At even load, rank {slow}'s expert compute takes {m['compute_max_mean']:.2f}x the "
+                        "mean: a slow device.")
+    else:
+        verdict, cause = HEALTHY, None
+    if overflow:
+        evidence.append(f"Overflow: {m['overflow_rate']:.1%} of routed pairs were dropped or rerouted "
+                        f"(threshold {t.overflow_rate:.0%}).")
+
+    actions = _rank_actions(w, layer, m, t, verdict, cause, overflow)
+    best = actions[0].predicted_gain if actions else 0.0
+    return LayerDiagnosis(layer, verdict, cause, overflow, m, evidence, actions, best * layer_step)
+
+
+def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds,
+                  verdict: str, cause: str | None, overflow: bool) -> list[Action]:
+    W, spr = w.world_size, w.slots_per_rank
+    slot_load = w.slot_tokens[layer].astype(np.float64)
+    expert_load = (w.expert_tokens[layer] - w.dropped_tokens[layer]).astype(np.float64)
+    now_max = float(max(np.max(m["rank_load"]), 1))
+    share = m["a2a_share"]
+    actions: list[Action] = []
+
+    if verdict == IMBALANCE_BOUND or cause == "volume":
+        hot = m["hot_experts"] or [int(e) for e in np.argsort(-expert_load, kind="stable")[:max(1, W // 2)]]
+        extra = max(len(hot), W // 2)
+        split = replica_split(expert_load, hot, extra)
+        after = pack_max_load(split, W, spr + math.ceil(extra / W))
+        gain = max(0.0, 1.0 - after / now_max)
+        if cause == "volume":
+            # Replicas also keep pairs local: the cross-rank share falls by the replicas' local hits.
+            gain = max(gain, share * min(1.0, extra / max(w.num_slots, 1)))
+        actions.append(Action("replicate", gain,
+                              f"Replicate expert{'s' if len(hot) > 1 else ''} {', '.join(map(str, hot))} "
+                              f"with {extra} extra slot{'s' if extra > 1 else ''}.",
+                              {"experts": hot, "extra_slots": extra}))
+
+    if verdict == IMBALANCE_BOUND or cause == "placement":
+        after = pack_max_load(slot_load, W, spr)
+        gain = max(0.0, 1.0 - after / now_max)
+        compute = w.compute_seconds[layer]
+        if cause == "straggler" and compute.max() > 0 and np.all(compute > 0):
+            # Aurora on uneven devices: load in proportion to each rank's speed, heaviest to fastest.
+            speed = np.asarray(m["rank_load"], dtype=np.float64) / compute
+            balanced_time = float(np.sum(m["rank_load"]) / speed.sum())
+            compute_share = float(compute.max() / max(w.layer_seconds[layer].max(), 1e-12))
+            gain = max(gain, compute_share * (1.0 - balanced_time / float(compute.max())))
+        if cause == "placement":
+            cross, expected = m["cross_rank_ratio"], m["expected_cross_rank_ratio"]
+            gain = max(gain, share * (cross - expected) / max(cross, 1e-9))
+        actions.append(Action("placement", gain,
+                              "Re-solve the expert placement (moewatch plan): balance rank load"
+                              + (" and co-locate experts tokens use together." if cause == "placement" else "."),
+                              {}))
+
+    if overflow:
+        value = min(capacity_for_overflow(w.expert_tokens[layer], t.overflow_target), t.max_capacity_factor)
+        current = float(w.capacity_factor[layer])
+        value = round(max(value, current), 2)
+        left = overflow_at_capacity(w.expert_tokens[layer], value)
+        actions.append(Action("capacity", 0.0,
+                              f"Raise the capacity factor from {current:g} to {value:g}: predicted overflow "
+                              f"{m['overflow_rate']:.1%} -> {left:.1%} (more expert memory, no latency gain).",
+                              {"value": value, "predicted_overflow": round(left, 4)}))
+    elif verdict == IMBALANCE_BOUND and cause == "hot-experts":
+        # Capping the hot experts levels the ranks, paid for in dropped pairs.
+        value = round(capacity_for_overflow(w.expert_tokens[layer], t.overflow_target), 2)
+        if value > 0:
+            capped = np.minimum(w.expert_tokens[layer], value * w.expert_tokens[layer].mean())
+            after = pack_max_load(capped, W, spr)
+            gain = max(0.0, 1.0 - after / now_max)
+            drop = overflow_at_capacity(w.expert_tokens[layer], value)
+            actions.append(Action("capacity", gain,
+                                  f"Cap experts at capacity factor {value:g}: levels the ranks at the cost of "
+                                  f"{drop:.1%} of pairs dropped or rerouted.",
+                                  {"value": value, "predicted_overflow": round(drop, 4), "lossy": True}))
+
+    if cause == "small-batch":
+        # Fixed per-collective cost is paid per step: doubling the batch halves it per token.
+        actions.append(Action("batch", share * 0.5,
+                              "Raise the batch (or chunked-prefill size) to amortise per-collective cost; "
+                              "it adds queueing delay, so check TTFT against its SLO.", {"factor": 2}))
+    # Actions that drop pairs trade model quality for speed: an operator opts into them, so they rank
+    # after every lossless action whatever their gain.
+    # An action predicted to save under 1 % is noise, except a capacity raise: it cures drops, not time.
+    actions = [a for a in actions if a.predicted_gain >= 0.01 or (a.kind == "capacity" and overflow)]
+    actions.sort(key=lambda a: (bool(a.params.get("lossy")), -a.predicted_gain))
+    return actions
+
+
+def diagnose(w: Window, t: Thresholds | None = None) -> WindowDiagnosis:
+    """Triage every layer of a window and summarise it."""
+    t = t or Thresholds()
+    metrics = layer_metrics(w, t)
+    layers = [diagnose_layer(w, i, m, t) for i, m in enumerate(metrics)]
+    identity = {"schema": "moewatch.diagnosis/v1", "runtime": w.runtime, "model": w.model,
+                "ep_group": w.ep_group, "epoch": w.epoch, "world_size": w.world_size,
+                "num_layers": w.num_layers, "num_experts": w.num_experts, "num_slots": w.num_slots,
+                "steps": w.steps, "start_time": w.start_time, "end_time": w.end_time}
+    return WindowDiagnosis(identity, layers, summarise(w, layers, t))
+
+
+def summarise(w: Window, layers: list[LayerDiagnosis], t: Thresholds) -> dict[str, Any]:
+    """Worst layers first, the slowest rank, experts hot in many layers, verdict counts."""
+    ranked = sorted(layers, key=_severity_key)
+    compute_by_rank = w.compute_seconds.sum(axis=0)
+    slowest = int(np.argmax(compute_by_rank))
+    total = float(compute_by_rank.sum())
+    hot_counts = Counter(e for d in layers for e in d.metrics["hot_experts"])
+    steps = w.step_seconds
+    return {
+        "verdicts": {v: sum(d.verdict == v for d in layers) for v in VERDICTS},
+        "overflow_layers": [d.layer for d in layers if d.overflow],
+        "worst_layers": [d.layer for d in ranked if d.verdict != HEALTHY or d.overflow][:10],
+        "slowest_rank": {"rank": slowest,
+                         "compute_share": _finite(float(compute_by_rank[slowest]) / total) if total > 0 else None,
+                         "compute_seconds": _finite(float(compute_by_rank[slowest]))},
+        "hot_experts_across_layers": [{"expert": int(e), "layers": n} for e, n in hot_counts.most_common(10)],
+        "balancedness_mean": _finite(float(np.mean(tm.balancedness(w)))),
+        "step_p50_seconds": _finite(float(np.percentile(steps, 50))) if len(steps) else None,
+        "step_p99_seconds": _finite(float(np.percentile(steps, 99))) if len(steps) else None,
+        "tokens_per_second": _finite(float(w.step_tokens.sum() / steps.sum())) if steps.sum() > 0 else None,
+    }
