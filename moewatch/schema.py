@@ -1,0 +1,89 @@
+"""The Window's JSON Schema, derived from the field tables in telemetry.py.
+
+The schema describes shape and types; the cross-field invariants (sums, map coverage) are beyond
+JSON Schema and live in `telemetry.validate`. The committed copy, moewatch/schemas/window.v1.json,
+is checked against this function by the tests, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+from .telemetry import ARRAY_FIELDS, OPTIONAL_ARRAYS, SCALAR_FIELDS, SCHEMA
+
+_MEANING = {
+    "runtime": "runtime that produced the window: moewatch-runtime, sglang, vllm, ...",
+    "model": "model identity (a metric label)",
+    "ep_group": "expert-parallel group identity (a metric label)",
+    "world_size": "W, ranks in the EP group",
+    "ranks_per_node": "ranks sharing a fast interconnect",
+    "num_layers": "L, MoE layers",
+    "num_experts": "E, logical experts per layer",
+    "num_slots": "P, physical expert slots per layer (P >= E, P divisible by W); slot s lives on rank s // (P / W)",
+    "top_k": "experts chosen per token",
+    "epoch": "placement generation in force for the whole window",
+    "steps": "forward steps in the window",
+    "start_time": "window start, unix seconds",
+    "end_time": "window end, unix seconds",
+    "hidden_bytes": "bytes one pair moves on the wire each way (hidden size x element size)",
+    "physical_to_logical_map": "logical expert held by each slot [L][P]",
+    "expert_tokens": "pairs routed to each logical expert, before capacity [L][E]",
+    "slot_tokens": "pairs each slot computed, after capacity [L][P]",
+    "dropped_tokens": "pairs dropped by capacity [L][E]",
+    "rerouted_tokens": "pairs moved off each expert to another by capacity [L][E]",
+    "capacity_factor": "capacity factor in force per layer; 0 means dropless [L]",
+    "local_tokens": "pairs whose slot is on the token's own rank [L][W]",
+    "sent_tokens": "pairs each rank sent to other ranks (dispatch) [L][W]",
+    "received_tokens": "pairs each rank received from other ranks [L][W]",
+    "traffic": "pairs from rank i to rank j [L][W][W], or null",
+    "dispatch_seconds": "dispatch all-to-all seconds per rank, summed over steps [L][W]",
+    "combine_seconds": "combine all-to-all seconds per rank, summed over steps [L][W]",
+    "compute_seconds": "expert compute seconds per rank, summed over steps [L][W]",
+    "layer_seconds": "whole-layer seconds per rank, summed over steps [L][W]",
+    "step_seconds": "wall time of each forward step [steps]",
+    "step_tokens": "tokens in each step's batch [steps]",
+}
+
+
+def _array_schema(kind: str, depth: int) -> dict[str, Any]:
+    leaf: dict[str, Any] = {"type": "integer", "minimum": 0} if kind == "i" else {"type": "number", "minimum": 0}
+    for _ in range(depth):
+        leaf = {"type": "array", "items": leaf}
+    return leaf
+
+
+def window_schema() -> dict[str, Any]:
+    props: dict[str, Any] = {"schema": {"const": SCHEMA, "description": "version tag"}}
+    for name, typ in SCALAR_FIELDS.items():
+        spec: dict[str, Any] = {str: {"type": "string"}, int: {"type": "integer", "minimum": 0},
+                                float: {"type": "number", "minimum": 0}}[typ]
+        props[name] = {**spec, "description": _MEANING[name]}
+    for name, (kind, dims) in ARRAY_FIELDS.items():
+        spec = _array_schema(kind, len(dims))
+        if name in OPTIONAL_ARRAYS:
+            spec = {"oneOf": [spec, {"type": "null"}]}
+        props[name] = {**spec, "description": _MEANING[name]}
+    for name in ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node"):
+        props[name]["minimum"] = 1
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://moewatch.dev/schemas/window.v1.json",
+        "title": "moewatch Window v1",
+        "description": "One sampling window of one EP group, aggregated over its ranks. Unknown fields are "
+                       "allowed and ignored by readers; cross-field invariants are checked by moewatch.",
+        "type": "object",
+        "required": ["schema", *SCALAR_FIELDS, *(n for n in ARRAY_FIELDS if n not in OPTIONAL_ARRAYS)],
+        "properties": props,
+        "additionalProperties": True,
+    }
+
+
+def packaged_schema() -> dict[str, Any]:
+    """The schema file shipped inside the package."""
+    return json.loads(resources.files("moewatch").joinpath("schemas/window.v1.json").read_text())
+
+
+if __name__ == "__main__":
+    print(json.dumps(window_schema(), indent=2))
