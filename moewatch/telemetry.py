@@ -221,6 +221,8 @@ def _as_array(name: str, kind: str, value: Any) -> np.ndarray:
     if arr.dtype.kind == "b" or arr.dtype.kind not in "iuf":
         raise WindowError(name, f"expected numbers, got {arr.dtype}")
     if kind == "i":
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise WindowError(name, "count too large for a 64-bit integer")
         if arr.dtype.kind == "f":
             if not np.all(np.isfinite(arr)):
                 raise WindowError(name, "counts must be finite integers")
@@ -315,7 +317,17 @@ def _check_layers(name: str, bad: np.ndarray, message: str, per_element: bool = 
 # b"MWW1" | u32 header length | header JSON (utf-8) | zero padding to 8 | raw little-endian buffers.
 # The header carries scalars, unknown fields and, per array, dtype, shape, offset and length.
 BINARY_MAGIC = b"MWW1"
-_DTYPES = {"i": "<i8", "f": "<f8"}
+# Counts travel in the narrowest unsigned type holding their maximum (they are never negative);
+# times as float64, so the binary form is as exact as the JSON one.
+_INT_DTYPES = ("<u1", "<u2", "<u4", "<u8")
+_ALLOWED_DTYPES = frozenset({*_INT_DTYPES, "<i8", "<f8"})
+
+
+def _wire_dtype(kind: str, arr: np.ndarray) -> str:
+    if kind == "f":
+        return "<f8"
+    top = int(arr.max()) if arr.size else 0
+    return next(d for d in _INT_DTYPES if top <= np.iinfo(np.dtype(d)).max)
 
 
 def encode_binary(w: Window) -> bytes:
@@ -326,8 +338,9 @@ def encode_binary(w: Window) -> bytes:
         arr = getattr(w, name)
         if arr is None:
             continue
-        raw = np.ascontiguousarray(arr, dtype=_DTYPES[kind]).tobytes()
-        arrays[name] = {"dtype": _DTYPES[kind], "shape": list(arr.shape), "offset": offset, "nbytes": len(raw)}
+        dtype = _wire_dtype(kind, arr)
+        raw = np.ascontiguousarray(arr, dtype=dtype).tobytes()
+        arrays[name] = {"dtype": dtype, "shape": list(arr.shape), "offset": offset, "nbytes": len(raw)}
         buffers.append(raw)
         offset += len(raw)
     header = {"schema": w.schema, "arrays": arrays, "extra": dict(w.extra)}
@@ -355,8 +368,8 @@ def decode_binary(blob: bytes) -> Window:
     if not isinstance(extra, dict):
         raise WindowError("<binary>", "extra must be an object")
     for name, spec in header["arrays"].items():
-        if not isinstance(spec, dict) or spec.get("dtype") not in _DTYPES.values():
-            raise WindowError(name, f"array dtype must be one of {sorted(_DTYPES.values())}")
+        if not isinstance(spec, dict) or spec.get("dtype") not in _ALLOWED_DTYPES:
+            raise WindowError(name, f"array dtype must be one of {sorted(_ALLOWED_DTYPES)}")
         try:
             dtype = np.dtype(spec["dtype"])
             shape = tuple(int(s) for s in spec["shape"])

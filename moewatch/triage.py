@@ -267,6 +267,11 @@ def diagnose_layer(w: Window, layer: int, m: dict[str, Any], t: Thresholds) -> L
     return LayerDiagnosis(layer, verdict, cause, overflow, m, evidence, actions, best * layer_step)
 
 
+def _round_up(capacity_factor: float) -> float:
+    """Two decimals for humans, rounded up so the overflow target still holds."""
+    return math.ceil(capacity_factor * 100 - 1e-9) / 100
+
+
 def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds,
                   verdict: str, cause: str | None, overflow: bool) -> list[Action]:
     W, spr = w.world_size, w.slots_per_rank
@@ -309,9 +314,9 @@ def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds,
                               {}))
 
     if overflow:
-        value = min(capacity_for_overflow(w.expert_tokens[layer], t.overflow_target), t.max_capacity_factor)
+        value = min(_round_up(capacity_for_overflow(w.expert_tokens[layer], t.overflow_target)), t.max_capacity_factor)
         current = float(w.capacity_factor[layer])
-        value = round(max(value, current), 2)
+        value = max(value, current)
         left = overflow_at_capacity(w.expert_tokens[layer], value)
         actions.append(Action("capacity", 0.0,
                               f"Raise the capacity factor from {current:g} to {value:g}: predicted overflow "
@@ -319,7 +324,7 @@ def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds,
                               {"value": value, "predicted_overflow": round(left, 4)}))
     elif verdict == IMBALANCE_BOUND and cause == "hot-experts":
         # Capping the hot experts levels the ranks, paid for in dropped pairs.
-        value = round(capacity_for_overflow(w.expert_tokens[layer], t.overflow_target), 2)
+        value = _round_up(capacity_for_overflow(w.expert_tokens[layer], t.overflow_target))
         if value > 0:
             capped = np.minimum(w.expert_tokens[layer], value * w.expert_tokens[layer].mean())
             after = pack_max_load(capped, W, spr)
