@@ -1,0 +1,146 @@
+"""What a placement is worth: per-GPU load, balancedness, cross-GPU and cross-node shares, movement.
+
+Sizes in docstrings: L layers, E logical experts, P physical slots, W GPUs (ranks), N nodes,
+S = P // W slots per GPU, G = W // N GPUs per node. Slot s lives on GPU s // S (WINDOW.md), GPU g on
+node g // G.
+
+Conventions (DESIGN.md): an expert's load is split evenly over its replicas; balancedness of a layer
+is mean over max of per-GPU load (1.0 for an idle layer). For the shares, tokens start evenly over
+the ranks and the runtime picks a replica on its own rank, else on its own node, else any.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PlacementShapeError(ValueError):
+    """Sizes that do not fit together; `field` names the offending input."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+def check_sizes(num_experts: int, num_slots: int, num_gpus: int, num_nodes: int = 1) -> None:
+    """Raise PlacementShapeError unless E <= P, W divides P and N divides W."""
+    if num_gpus < 1:
+        raise PlacementShapeError("num_gpus", f"must be >= 1, got {num_gpus}")
+    if num_nodes < 1 or num_gpus % num_nodes:
+        raise PlacementShapeError("num_nodes", f"{num_nodes} nodes do not divide {num_gpus} GPUs")
+    if num_slots < num_experts:
+        raise PlacementShapeError("num_slots", f"{num_slots} slots cannot hold {num_experts} experts")
+    if num_slots % num_gpus:
+        raise PlacementShapeError("num_slots", f"{num_slots} slots do not divide over {num_gpus} GPUs")
+
+
+def replica_counts_of(pmap: np.ndarray, num_experts: int) -> np.ndarray:
+    """[L, P] placement -> [L, E] number of slots holding each expert."""
+    L = pmap.shape[0]
+    flat = (pmap + (np.arange(L) * num_experts)[:, None]).ravel()
+    return np.bincount(flat, minlength=L * num_experts).reshape(L, num_experts)
+
+
+def slot_load(load: np.ndarray, pmap: np.ndarray) -> np.ndarray:
+    """[L, E] load, [L, P] placement -> [L, P] load each slot computes (even split over replicas)."""
+    counts = replica_counts_of(pmap, load.shape[1])
+    per_replica = np.divide(load, counts, out=np.zeros(load.shape, dtype=np.float64), where=counts > 0)
+    return np.take_along_axis(per_replica, pmap, axis=1)
+
+
+def gpu_load(load: np.ndarray, pmap: np.ndarray, num_gpus: int) -> np.ndarray:
+    """[L, E] load, [L, P] placement -> [L, W] load per GPU."""
+    L, P = pmap.shape
+    return slot_load(load, pmap).reshape(L, num_gpus, P // num_gpus).sum(axis=2)
+
+
+def balancedness_of_gpu_load(per_gpu: np.ndarray) -> np.ndarray:
+    """[L, W] load per GPU -> [L] mean / max (1.0 where a layer is idle)."""
+    hi = per_gpu.max(axis=1)
+    out = np.ones(per_gpu.shape[0])
+    np.divide(per_gpu.mean(axis=1), hi, out=out, where=hi > 0)
+    return out
+
+
+def balancedness(load: np.ndarray, pmap: np.ndarray, num_gpus: int) -> np.ndarray:
+    """[L, E] load, [L, P] placement -> [L] balancedness."""
+    return balancedness_of_gpu_load(gpu_load(load, pmap, num_gpus))
+
+
+def holders(pmap: np.ndarray, num_experts: int, num_groups: int) -> np.ndarray:
+    """[L, P] placement -> [L, E, num_groups] replicas of each expert per group of consecutive slots
+    (num_groups = W gives per GPU, = N per node)."""
+    L, P = pmap.shape
+    group_of_slot = np.arange(P) // (P // num_groups)
+    flat = ((np.arange(L)[:, None] * num_experts + pmap) * num_groups + group_of_slot[None, :]).ravel()
+    return np.bincount(flat, minlength=L * num_experts * num_groups).reshape(L, num_experts, num_groups)
+
+
+def dispatch_cross_shares(load: np.ndarray, pmap: np.ndarray, num_gpus: int,
+                          num_nodes: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """[L, E] load, [L, P] placement -> ([L] cross-GPU share, [L] cross-node share) of the pairs.
+
+    A token on rank r going to expert e stays on r when r holds e, else stays on r's node when the
+    node holds e: with tokens even over ranks, expert e leaves the rank with probability
+    1 - (ranks holding e) / W and leaves the node with probability 1 - (nodes holding e) / N.
+    """
+    E = load.shape[1]
+    ranks = (holders(pmap, E, num_gpus) > 0).sum(axis=2)
+    nodes = (holders(pmap, E, num_nodes) > 0).sum(axis=2)
+    total = load.sum(axis=1)
+    safe = np.where(total > 0, total, 1.0)
+    cross_gpu = (load * (1.0 - ranks / num_gpus)).sum(axis=1) / safe
+    cross_node = (load * (1.0 - nodes / num_nodes)).sum(axis=1) / safe
+    idle = total <= 0
+    cross_gpu[idle] = 0.0
+    cross_node[idle] = 0.0
+    return cross_gpu, cross_node
+
+
+def transition_cross_shares(transitions: np.ndarray, pmap: np.ndarray, num_gpus: int,
+                            num_nodes: int = 1) -> tuple[float, float]:
+    """[L-1, E, E] transition counts, [L, P] placement -> (cross-GPU share, cross-node share).
+
+    transitions[l, i, j] counts a token's consecutive-layer pairs (expert i at layer l, expert j at
+    layer l + 1). Where the token stays on its expert's GPU between layers (ExFlow's execution), the
+    pair stays on the GPU when a replica of i (each taken with probability 1 / replicas) sits on a
+    GPU that holds j, and on the node likewise.
+    """
+    E = transitions.shape[1]
+    total = float(transitions.sum())
+    if total <= 0:
+        return 0.0, 0.0
+    same_gpu = _same_group_pairs(transitions, pmap, E, num_gpus)
+    same_node = _same_group_pairs(transitions, pmap, E, num_nodes)
+    return 1.0 - same_gpu / total, 1.0 - same_node / total
+
+
+def _same_group_pairs(transitions: np.ndarray, pmap: np.ndarray, num_experts: int, num_groups: int) -> float:
+    held = holders(pmap, num_experts, num_groups).astype(np.float64)  # [L, E, groups]
+    counts = held.sum(axis=2, keepdims=True)
+    source_share = held / np.where(counts > 0, counts, 1.0)  # where each expert's tokens sit
+    present = (held > 0).astype(np.float64)
+    # [L-1, E, E]: probability that a pair (i at l, j at l+1) stays inside one group
+    stay = np.matmul(source_share[:-1], np.swapaxes(present[1:], 1, 2))
+    return float((transitions * stay).sum())
+
+
+def experts_moved(current: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """[L, P] current and new placements -> [L] slots whose expert changes (weights to load)."""
+    return (current != new).sum(axis=1)
+
+
+def contiguous_placement(num_layers: int, num_experts: int, num_slots: int) -> np.ndarray:
+    """[L, P] the runtimes' default: slot s holds expert s mod E (experts in order, extra slots
+    holding the first experts again)."""
+    return np.broadcast_to(np.arange(num_slots) % num_experts, (num_layers, num_slots)).copy()
+
+
+def is_valid_placement(pmap: np.ndarray, num_experts: int, num_gpus: int) -> bool:
+    """True when every entry is an expert, every expert has a slot and W divides P."""
+    pmap = np.asarray(pmap)
+    if pmap.ndim != 2 or pmap.shape[1] % num_gpus:
+        return False
+    if pmap.min() < 0 or pmap.max() >= num_experts:
+        return False
+    return bool((replica_counts_of(pmap, num_experts) > 0).all())
