@@ -1,0 +1,126 @@
+"""Actions only: how a decided Plan reaches a runtime. The policy never touches these.
+
+One interface, `Actuator.apply(group, plan) -> Actuation`:
+- `RuntimeActuator` sends the Plan frame over the group's socket connection; the runtime applies it
+  at a step boundary and answers with an Ack later (status "sent").
+- `SGLangActuator` writes an SGLang `--init-expert-location` JSON (`physical_to_logical_map`
+  [L][P]) atomically and, when the operator configured one, runs a command (a rolling restart); it
+  completes synchronously, so it answers with the Ack itself (status "applied" or "failed").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from moewatch.plan import Plan
+from moewatch.wire import Ack
+
+log = logging.getLogger("moewatch.agent.actuators")
+
+
+@dataclass(frozen=True)
+class Actuation:
+    status: str  # sent (an Ack will follow) | applied | failed
+    detail: str = ""
+    ack: Ack | None = None  # for actuators that finish synchronously
+
+
+class Actuator(Protocol):
+    name: str
+
+    def apply(self, group_key: tuple[str, str], plan: Plan) -> Actuation: ...
+
+
+class RuntimeActuator:
+    """Plans over the unix socket to the connected reference runtime (or any runtime speaking wire)."""
+
+    name = "runtime"
+
+    def __init__(self, connection_of: Callable[[tuple[str, str]], object | None]):
+        self.connection_of = connection_of
+
+    def apply(self, group_key: tuple[str, str], plan: Plan) -> Actuation:
+        conn = self.connection_of(group_key)
+        if conn is None:
+            return Actuation("failed", "no runtime of this group is connected")
+        try:
+            conn.send(plan)
+        except (OSError, ConnectionError) as exc:
+            return Actuation("failed", f"send failed: {exc}")
+        return Actuation("sent", f"plan epoch {plan.epoch} sent on connection {conn.id}")
+
+
+def sglang_location(plan: Plan) -> dict:
+    """The `--init-expert-location` JSON object for a plan."""
+    return {"physical_to_logical_map": plan.physical_to_logical_map.tolist()}
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class SGLangActuator:
+    """Write the expert-location file; optionally run the operator's command (rolling restart)."""
+
+    name = "sglang"
+
+    def __init__(self, location_file: str, command: str = "", timeout_seconds: float = 600.0):
+        self.location_file = Path(location_file)
+        self.command = command
+        self.timeout_seconds = timeout_seconds
+
+    def apply(self, group_key: tuple[str, str], plan: Plan) -> Actuation:
+        try:
+            write_atomically(self.location_file, json.dumps(sglang_location(plan)) + "\n")
+        except OSError as exc:
+            return self._done(plan, False, f"cannot write {self.location_file}: {exc.strerror}")
+        if not self.command:
+            return self._done(plan, True, f"wrote {self.location_file}")
+        env = {**os.environ, "MOEWATCH_PLAN_FILE": str(self.location_file), "MOEWATCH_PLAN_EPOCH": str(plan.epoch),
+               "MOEWATCH_MODEL": group_key[0], "MOEWATCH_EP_GROUP": group_key[1]}
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(shlex.split(self.command), env=env, capture_output=True, text=True,
+                                  timeout=self.timeout_seconds)
+        except FileNotFoundError:
+            return self._done(plan, False, f"command not found: {shlex.split(self.command)[0]}")
+        except subprocess.TimeoutExpired:
+            return self._done(plan, False, f"command timed out after {self.timeout_seconds:g} s")
+        elapsed = time.monotonic() - started
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+            return self._done(plan, False, f"command exited {proc.returncode}: {tail[0]}", elapsed)
+        return self._done(plan, True, f"wrote {self.location_file}; command ok in {elapsed:.1f} s", elapsed)
+
+    @staticmethod
+    def _done(plan: Plan, ok: bool, detail: str, stall: float = 0.0) -> Actuation:
+        ack = Ack(plan_epoch=plan.epoch, epoch_in_force=plan.epoch if ok else 0, ok=ok,
+                  error="" if ok else detail, stall_seconds=stall,
+                  layers_changed=plan.num_layers if ok else 0)
+        return Actuation("applied" if ok else "failed", detail, ack)
+
+
+def make_actuator(cfg, connection_of: Callable) -> Actuator:
+    if cfg.actuator == "sglang":
+        return SGLangActuator(cfg.sglang_location_file, cfg.sglang_command, cfg.sglang_command_timeout_seconds)
+    return RuntimeActuator(connection_of)

@@ -1,0 +1,295 @@
+"""The reconcile loop per EP group: observe (triaged windows), decide (policy.py), act (actuators.py),
+confirm (the Ack's epoch), verify (windows of the new epoch only) and roll back when a layer got worse.
+
+State per group, readable on /status: the plan in flight (sent, no Ack yet), the plan under
+verification, each layer's last change (cooldown) and the times plans went out (rate limit). At most
+one plan is in flight or under verification per group, so every verification compares one change.
+Every decision and every step of a plan's life is written to the audit log and counted in
+moewatch_actions_total{kind,result}.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from moewatch.plan import Plan, PlanError
+from moewatch.wire import Ack
+
+from . import policy
+from .actuators import Actuator
+from .audit import AuditLog
+from .exporters import MetricsState
+from .store import GroupStore, Store, TriagedWindow
+
+log = logging.getLogger("moewatch.agent.controller")
+
+
+@dataclass
+class PlanInFlight:
+    plan: Plan
+    sent_at: float
+    decisions: list[policy.Decision]
+    baseline: dict[int, policy.LayerBaseline]
+    changed_layers: tuple[int, ...]
+    previous_map: np.ndarray  # [L, P] the whole state before, for a rollback
+    previous_capacity: np.ndarray  # [L]
+    rollback_of: int | None = None  # the epoch this plan undoes
+    acked_at: float | None = None
+
+    @property
+    def kinds(self) -> list[str]:
+        return sorted({d.kind for d in self.decisions}) or ["rollback"]
+
+
+@dataclass
+class GroupControl:
+    in_flight: PlanInFlight | None = None
+    verifying: PlanInFlight | None = None
+    last_change: dict[int, float] = field(default_factory=dict)
+    plan_times: deque = field(default_factory=lambda: deque(maxlen=10_000))
+    recent: deque = field(default_factory=lambda: deque(maxlen=50))  # recent audit entries, for /status
+    plans_applied: int = 0
+    rollbacks: int = 0
+
+
+class Controller:
+    def __init__(self, cfg, store: Store, metrics: MetricsState, audit: AuditLog, actuator: Actuator,
+                 clock: Callable[[], float] = time.time):
+        self.cfg = cfg
+        self.store = store
+        self.metrics = metrics
+        self.audit = audit
+        self.actuator = actuator
+        self.clock = clock
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._control: dict[tuple[str, str], GroupControl] = {}
+        self._lock = threading.RLock()
+
+    def control(self, key: tuple[str, str]) -> GroupControl:
+        with self._lock:
+            return self._control.setdefault(key, GroupControl())
+
+    # --- records ------------------------------------------------------------------------------------
+    def _record(self, group: GroupStore, event: str, **fields: Any) -> dict[str, Any]:
+        entry = self.audit.record(event, model=group.key[0], ep_group=group.key[1], mode=self.cfg.mode, **fields)
+        self.control(group.key).recent.append(entry)
+        for listener in self.listeners:
+            try:
+                listener(entry)
+            except Exception:  # a display must never break the loop
+                log.exception("listener failed")
+        return entry
+
+    def _count(self, group: GroupStore, kind: str, result: str, n: int = 1) -> None:
+        self.metrics.inc("moewatch_actions_total", (*group.key, kind, result), n)
+
+    # --- decide and act -----------------------------------------------------------------------------
+    def plan_tick(self) -> None:
+        """The planning job: run the policy for every connected group."""
+        for group in self.store.groups():
+            self.plan_group(group)
+
+    def plan_group(self, group: GroupStore, now: float | None = None) -> policy.Proposal | None:
+        now = self.clock() if now is None else now
+        if self.cfg.mode == "observe" or not group.connected or group.hello is None:
+            return None
+        ctl = self.control(group.key)
+        with self._lock:
+            if ctl.in_flight is not None or ctl.verifying is not None:
+                return None  # one change at a time: wait for its Ack and its verification
+            hello = group.hello
+            view = policy.GroupView(
+                num_gpus=hello.world_size, num_nodes=_num_nodes(hello), num_experts=hello.num_experts,
+                num_slots=hello.num_slots, capabilities=frozenset(hello.capabilities),
+                windows=group.recent(epoch=group.epoch_in_force), last_change=dict(ctl.last_change),
+                plan_times=tuple(ctl.plan_times))
+            proposal = policy.decide(view, self.cfg, now)
+            for d in proposal.decisions:
+                if d.result in ("skipped", "recommended"):
+                    self._count(group, d.kind, d.result)
+                self._record(group, "decision", epoch_in_force=group.epoch_in_force, **d.to_dict())
+            if proposal.has_plan and self.cfg.mode == "act":
+                latest = view.windows[-1].window
+                self._send(group, ctl, proposal.physical_to_logical_map, proposal.capacity_factor,
+                           proposal.reason, [d for d in proposal.decisions if d.result == "proposed"],
+                           proposal.baseline, proposal.changed_layers,
+                           np.array(latest.physical_to_logical_map), np.array(latest.capacity_factor), now)
+            return proposal
+
+    def submit(self, group: GroupStore, physical_to_logical_map: np.ndarray, capacity_factor: np.ndarray,
+               reason: str, kind: str = "placement") -> Plan | None:
+        """An operator's plan (e.g. `moewatch plan` output): sent, acknowledged, verified and rolled back
+        like the policy's own. Refused (None) while another plan is in flight or under verification."""
+        ctl = self.control(group.key)
+        latest = group.latest()
+        if latest is None:
+            raise ValueError("no window yet: the state to return to on rollback is unknown")
+        with self._lock:
+            if ctl.in_flight is not None or ctl.verifying is not None:
+                return None
+            now = self.clock()
+            old_map = np.array(latest.window.physical_to_logical_map)
+            old_cap = np.array(latest.window.capacity_factor, dtype=np.float64)
+            new_map = np.asarray(physical_to_logical_map, dtype=np.int64)
+            changed = tuple(int(x) for x in np.flatnonzero((new_map != old_map).any(axis=1)
+                                                           | (np.asarray(capacity_factor) != old_cap)))
+            windows = group.recent(epoch=group.epoch_in_force)[-self.cfg.persist_windows:] or [latest]
+            load = policy.computed_load(windows)
+            from moewatch.planner import metrics as pm
+            model_old = pm.balancedness(load, old_map, latest.window.world_size)
+            baseline = {}
+            for layer in changed:
+                measured = float(np.mean([t.diagnosis.layers[layer].metrics["balancedness"] for t in windows]))
+                seconds = float(np.mean([t.diagnosis.layers[layer].metrics["layer_seconds_per_step"] for t in windows]))
+                baseline[layer] = policy.LayerBaseline(
+                    layer, measured, seconds, policy.seconds_per_bottleneck_pair(windows, layer),
+                    measured - float(model_old[layer]), old_map[layer].copy(), float(old_cap[layer]))
+            decision = policy.Decision(kind, changed, "proposed", reason)
+            self._record(group, "decision", epoch_in_force=group.epoch_in_force, **decision.to_dict())
+            return self._send(group, ctl, new_map, np.asarray(capacity_factor, dtype=np.float64), reason,
+                              [decision], baseline, changed, old_map, old_cap, now)
+
+    def _send(self, group: GroupStore, ctl: GroupControl, pmap: np.ndarray, cap: np.ndarray, reason: str,
+              decisions: list[policy.Decision], baseline: dict[int, policy.LayerBaseline],
+              changed: tuple[int, ...], previous_map: np.ndarray, previous_cap: np.ndarray, now: float,
+              rollback_of: int | None = None) -> Plan | None:
+        hello = group.hello
+        epoch = group.next_epoch()
+        meta = {"source": "moewatch-agent", "changed_layers": list(changed),
+                "decisions": [d.to_dict() for d in decisions]}
+        if rollback_of is not None:
+            meta["rollback_of"] = rollback_of
+        try:
+            plan = Plan(epoch, pmap, cap, reason, meta)
+            plan.check_against(hello.num_layers, hello.num_experts, hello.num_slots, hello.world_size)
+        except PlanError as exc:  # a planner bug must not reach a runtime
+            for d in decisions:
+                self._count(group, d.kind, "failed")
+            self._record(group, "plan_invalid", epoch=epoch, reason=reason, error=str(exc))
+            return None
+        flight = PlanInFlight(plan, now, decisions, baseline, changed, previous_map, previous_cap, rollback_of)
+        ctl.in_flight = flight
+        ctl.plan_times.append(now)
+        self._record(group, "plan_sent", epoch=epoch, reason=reason, layers=list(changed),
+                     kinds=flight.kinds if rollback_of is None else ["rollback"], rollback_of=rollback_of,
+                     capacity_factor=[float(cap[i]) for i in changed])
+        actuation = self.actuator.apply(group.key, plan)
+        if actuation.status == "failed" and actuation.ack is None:
+            self._finish_failed(group, ctl, flight, actuation.detail)
+        elif actuation.ack is not None:
+            self.on_ack(group, actuation.ack)
+        return plan
+
+    # --- confirm ------------------------------------------------------------------------------------
+    def on_ack(self, group: GroupStore, ack: Ack) -> str | None:
+        """An Ack from the runtime; returns a rejection reason when it answers no plan in flight."""
+        ctl = self.control(group.key)
+        with self._lock:
+            flight = ctl.in_flight
+            if flight is None or ack.plan_epoch != flight.plan.epoch:
+                group.note_epoch(ack.epoch_in_force)
+                return "stale_epoch"
+            ctl.in_flight = None
+            now = self.clock()
+            if not ack.ok:
+                self._finish_failed(group, ctl, flight, ack.error or "runtime refused the plan", ack)
+                return None
+            with group.lock:
+                group.epoch_in_force = max(group.epoch_in_force, ack.epoch_in_force)
+                group.note_epoch(ack.epoch_in_force)
+            flight.acked_at = now
+            for layer in flight.changed_layers:
+                ctl.last_change[layer] = now
+            ctl.plans_applied += 1
+            if flight.rollback_of is not None:
+                ctl.rollbacks += 1
+                self._count(group, "rollback", "applied")
+                self.metrics.inc("moewatch_rollbacks_total", group.key)
+                self._record(group, "rolled_back", epoch=flight.plan.epoch, rollback_of=flight.rollback_of,
+                             layers=list(flight.changed_layers), stall_seconds=ack.stall_seconds, step=ack.step)
+                return None
+            for d in flight.decisions:
+                self._count(group, d.kind, "applied")
+            self._record(group, "plan_applied", epoch=flight.plan.epoch, layers=list(flight.changed_layers),
+                         kinds=flight.kinds, stall_seconds=ack.stall_seconds, step=ack.step,
+                         layers_changed=ack.layers_changed,
+                         predicted={d.layers[0]: d.after for d in flight.decisions if d.layers})
+            if flight.baseline:
+                ctl.verifying = flight
+            return None
+
+    def _finish_failed(self, group: GroupStore, ctl: GroupControl, flight: PlanInFlight, why: str,
+                       ack: Ack | None = None) -> None:
+        ctl.in_flight = None
+        kinds = ["rollback"] if flight.rollback_of is not None else [d.kind for d in flight.decisions]
+        for kind in kinds:
+            self._count(group, kind, "failed")
+        self._record(group, "plan_failed", epoch=flight.plan.epoch, layers=list(flight.changed_layers),
+                     error=why, epoch_in_force=None if ack is None else ack.epoch_in_force)
+
+    def check_timeouts(self, now: float | None = None) -> None:
+        now = self.clock() if now is None else now
+        for group in self.store.groups():
+            ctl = self.control(group.key)
+            with self._lock:
+                flight = ctl.in_flight
+                if flight is not None and now - flight.sent_at > self.cfg.ack_timeout_seconds:
+                    self._finish_failed(group, ctl, flight, f"no Ack within {self.cfg.ack_timeout_seconds:g} s")
+
+    # --- verify -------------------------------------------------------------------------------------
+    def on_window(self, group: GroupStore, triaged: TriagedWindow) -> None:
+        """After each triaged window: verify the plan under verification on its own epoch's windows."""
+        ctl = self.control(group.key)
+        with self._lock:
+            flight = ctl.verifying
+            if flight is None or triaged.window.epoch != flight.plan.epoch:
+                return
+            windows = group.recent(epoch=flight.plan.epoch)
+            outcome = policy.verify(flight.baseline, windows, self.cfg, triaged.window.world_size)
+            if outcome.status == "wait":
+                return
+            ctl.verifying = None
+            if outcome.status == "keep":
+                self._record(group, "verified", epoch=flight.plan.epoch, layers=list(flight.changed_layers),
+                             reason=outcome.reason, numbers=outcome.numbers)
+                return
+            for d in flight.decisions:
+                self._count(group, d.kind, "rolled_back")
+            self._record(group, "rollback", epoch=flight.plan.epoch, layers=list(outcome.worse_layers),
+                         reason=outcome.reason, numbers=outcome.numbers)
+            now = self.clock()
+            # The whole previous state goes back, with a new epoch (epochs only move forward).
+            for layer in flight.changed_layers:
+                ctl.last_change[layer] = now
+            latest = triaged.window
+            self._send(group, ctl, flight.previous_map, flight.previous_capacity,
+                       f"rollback of epoch {flight.plan.epoch}: {outcome.reason}", [], {},
+                       flight.changed_layers, np.array(latest.physical_to_logical_map),
+                       np.array(latest.capacity_factor), now, rollback_of=flight.plan.epoch)
+
+    def status(self, key: tuple[str, str]) -> dict[str, Any]:
+        ctl = self.control(key)
+        with self._lock:
+            def brief(f: PlanInFlight | None) -> dict[str, Any] | None:
+                if f is None:
+                    return None
+                return {"epoch": f.plan.epoch, "layers": list(f.changed_layers), "kinds": f.kinds,
+                        "reason": f.plan.reason, "sent_at": f.sent_at, "acked_at": f.acked_at,
+                        "rollback_of": f.rollback_of}
+            return {"in_flight": brief(ctl.in_flight), "verifying": brief(ctl.verifying),
+                    "plans_applied": ctl.plans_applied, "rollbacks": ctl.rollbacks,
+                    "layers_in_cooldown": sorted(layer for layer, t in ctl.last_change.items()
+                                                 if self.clock() - t < self.cfg.cooldown_seconds),
+                    "recent": list(ctl.recent)[-20:]}
+
+
+def _num_nodes(hello) -> int:
+    per_node = hello.ranks_per_node or hello.world_size
+    return max(1, hello.world_size // per_node) if hello.world_size % per_node == 0 else 1

@@ -1,0 +1,264 @@
+"""The agent process: wires config, receiver, store, jobs, exporters, policy, actuator, audit, health.
+
+Start order: audit log, metric state (+ OpenTelemetry), store and controller, socket, HTTP, jobs,
+then READY=1. Stop order (SIGTERM or SIGINT): STOPPING=1, socket (no new windows), jobs
+(shutdown(wait=True): a running triage or plan finishes), HTTP, OpenTelemetry (final push), audit
+log (fsync). Every per-message path is here; per-window work runs in the triage job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+from moewatch import __version__
+from moewatch.plan import Plan
+from moewatch.telemetry import Window
+from moewatch.triage import diagnose
+from moewatch.wire import Ack, Heartbeat, Hello
+
+from .actuators import make_actuator
+from .audit import AuditLog, jsonable
+from .config import AgentConfig
+from .controller import Controller
+from .exporters import MetricsState, init_static, make_registry, record_window, render
+from .health import Check, Health, SystemdNotifier, WebServer, health_body
+from .jobs import Jobs
+from .receiver import Connection, Receiver
+from .store import GroupStore, Store, TriagedWindow
+
+log = logging.getLogger("moewatch.agent")
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Daemon:
+    def __init__(self, cfg: AgentConfig, otel_readers: Iterable[Any] = (), notifier: SystemdNotifier | None = None):
+        self.cfg = cfg
+        self.notifier = notifier or SystemdNotifier()
+        self.metrics = MetricsState(cfg.expert_series_cap)
+        self.registry = make_registry(self.metrics)
+        self._otel_readers = list(otel_readers)
+        self.otel = None
+        self.audit: AuditLog | None = None
+        self.store = Store(cfg.history_windows, cfg.max_groups)
+        self.controller: Controller | None = None
+        self.receiver: Receiver | None = None
+        self.web: WebServer | None = None
+        self.jobs = Jobs(on_error=lambda job: self.metrics.inc("moewatch_job_errors_total", (job,)),
+                         on_misfire=lambda job: self.metrics.inc("moewatch_job_misfires_total", (job,)))
+        self.health = Health()
+        self.window_listeners: list[Callable[[GroupStore, TriagedWindow], None]] = []
+        self._connections: dict[tuple[str, str], Connection] = {}
+        self._conn_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._stopped = False
+        self.started_at: float | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> "Daemon":
+        cfg = self.cfg
+        self.audit = AuditLog(cfg.audit_log)
+        init_static(self.metrics, cfg.mode)
+        if cfg.otlp_endpoint or self._otel_readers:
+            from .otel import OtelBridge
+
+            self.otel = OtelBridge(self.metrics, cfg.otlp_endpoint, cfg.otlp_interval_seconds, self._otel_readers)
+        actuator = make_actuator(cfg, self.connection_of)
+        self.controller = Controller(cfg, self.store, self.metrics, self.audit, actuator)
+        self.receiver = Receiver(cfg.socket, cfg.socket_mode_bits, cfg.max_frame_bytes,
+                                 on_message=self.handle_message, on_reject=self._on_reject,
+                                 on_frame=lambda t: self.metrics.inc("moewatch_frames_received_total", (t,)),
+                                 on_disconnect=self._on_disconnect)
+        self.receiver.start()
+        host, port = cfg.listen_address
+        self.web = WebServer(host, port, {"/metrics": self._metrics_route, "/healthz": self._healthz,
+                                          "/readyz": self._readyz, "/status": self._status_route})
+        self.web.start()
+        self.health.liveness["scheduler"] = lambda: Check("scheduler", self.jobs.running,
+                                                          "" if self.jobs.running else "scheduler stopped")
+        self.health.liveness["socket"] = lambda: Check("socket", self.receiver.listening, str(cfg.socket))
+        self.health.readiness["audit_log"] = lambda: Check("audit_log", self.audit.writable(), str(cfg.audit_log))
+        self.jobs.add("triage", self.triage_job, cfg.triage_interval_seconds)
+        self.jobs.add("plan", self.controller.plan_tick, cfg.plan_interval_seconds)
+        self.jobs.add("export", self.export_job, cfg.export_interval_seconds)
+        if self.notifier.watchdog_seconds:
+            self.jobs.add("watchdog", self.watchdog_job, self.notifier.watchdog_seconds / 2, first_run_in=0)
+        self.jobs.start()
+        self.started_at = time.time()
+        self.notifier.ready(f"serving {cfg.socket}, http {self.http_url}")
+        log.info("moewatch agent %s in %s mode: socket %s, http %s, audit %s", __version__, cfg.mode,
+                 cfg.socket, self.http_url, cfg.audit_log)
+        return self
+
+    @property
+    def http_url(self) -> str:
+        host, _ = self.cfg.listen_address
+        port = self.web.port if self.web else self.cfg.listen_address[1]
+        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        self.notifier.stopping()
+        if self.receiver is not None:
+            self.receiver.stop()
+        self.jobs.shutdown()
+        if self.web is not None:
+            self.web.stop()
+        if self.otel is not None:
+            self.otel.shutdown()
+        if self.audit is not None:
+            self.audit.record("agent_stopped", windows=sum(g.windows_accepted for g in self.store.groups()))
+            self.audit.close()
+        log.info("moewatch agent stopped")
+
+    def run_forever(self) -> int:
+        """Until SIGTERM/SIGINT; then a clean stop. Returns the exit status."""
+        def on_signal(signum: int, frame: Any) -> None:
+            log.info("signal %d: stopping", signum)
+            self._stop.set()
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.start()
+            while not self._stop.wait(1.0):
+                pass
+        finally:
+            self.stop()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return 0
+
+    # --- messages (reader threads) ------------------------------------------------------------------
+    def connection_of(self, key: tuple[str, str]) -> Connection | None:
+        with self._conn_lock:
+            conn = self._connections.get(key)
+        return None if conn is None or conn.closed.is_set() else conn
+
+    def handle_message(self, conn: Connection, msg: Any) -> str | None:
+        if isinstance(msg, Hello):
+            return self._on_hello(conn, msg)
+        group = self.store.get(conn.group) if conn.group else None
+        if group is None:
+            return "out_of_order"  # anything before a hello
+        if isinstance(msg, Window):
+            if (msg.model, msg.ep_group) != group.key:
+                return "mismatch"
+            return group.accept_window(msg)
+        if isinstance(msg, Ack):
+            return self.controller.on_ack(group, msg)
+        if isinstance(msg, Heartbeat):
+            with group.lock:
+                group.last_heartbeat = time.time()
+                previous = group.runtime_frames_dropped
+                group.runtime_frames_dropped = msg.frames_dropped
+            if msg.frames_dropped > previous:
+                self.metrics.inc("moewatch_runtime_frames_dropped_total", group.key, msg.frames_dropped - previous)
+            return None
+        if isinstance(msg, Plan):
+            return "unexpected"  # plans flow agent -> runtime only
+        return "unexpected"
+
+    def _on_hello(self, conn: Connection, hello: Hello) -> str | None:
+        key = (hello.model, hello.ep_group)
+        if conn.group is not None and conn.group != key:
+            return "mismatch"
+        group = self.store.get_or_create(key)
+        if group is None:
+            return "too_many_groups"
+        with self._conn_lock:
+            old = self._connections.get(key)
+            self._connections[key] = conn
+        if old is not None and old is not conn:
+            log.info("group %s/%s: connection %d replaces %d", *key, conn.id, old.id)
+            old.close()
+        conn.group, conn.hello = key, hello
+        group.on_hello(hello, conn.id)
+        self.metrics.set("moewatch_runtime_connected", key, 1)
+        self.metrics.set("moewatch_epoch", key, hello.epoch)
+        log.info("runtime %s (pid %d) connected: %s/%s, %d ranks, %d layers, %d experts in %d slots, epoch %d",
+                 hello.runtime, hello.pid, *key, hello.world_size, hello.num_layers, hello.num_experts,
+                 hello.num_slots, hello.epoch)
+        return None
+
+    def _on_reject(self, conn: Connection | None, reason: str, detail: str) -> None:
+        self.metrics.inc("moewatch_frames_rejected_total", (reason,))
+        log.info("connection %s: frame rejected (%s): %s", getattr(conn, "id", "-"), reason, detail)
+
+    def _on_disconnect(self, conn: Connection) -> None:
+        if conn.group is None:
+            return
+        with self._conn_lock:
+            if self._connections.get(conn.group) is conn:
+                del self._connections[conn.group]
+        group = self.store.get(conn.group)
+        if group is not None and group.on_disconnect(conn.id):
+            self.metrics.set("moewatch_runtime_connected", conn.group, 0)
+            log.info("runtime of %s/%s disconnected", *conn.group)
+
+    # --- jobs ---------------------------------------------------------------------------------------
+    def triage_job(self) -> None:
+        """Triage every window that arrived since the last run, in order."""
+        for group in self.store.groups():
+            for window in group.take_untriaged():
+                diagnosis = diagnose(window, self.cfg.thresholds)
+                record_window(self.metrics, group.export, window, diagnosis, self.cfg.expert_metrics)
+                triaged = TriagedWindow(window, diagnosis, time.time())
+                group.add_triaged(triaged)
+                self.controller.on_window(group, triaged)
+                for listener in self.window_listeners:
+                    try:
+                        listener(group, triaged)
+                    except Exception:
+                        log.exception("window listener failed")
+
+    def export_job(self) -> None:
+        for group in self.store.groups():
+            self.metrics.set("moewatch_runtime_connected", group.key, 1 if group.connected else 0)
+        self.controller.check_timeouts()
+        if self.audit is not None:
+            self.audit.sync()
+
+    def watchdog_job(self) -> None:
+        ok, checks = self.health.live()
+        if ok:
+            self.notifier.watchdog()
+        else:
+            log.error("not pinging the watchdog: %s", "; ".join(f"{c.name}: {c.detail}" for c in checks if not c.ok))
+
+    # --- HTTP routes ----------------------------------------------------------------------------------
+    def _metrics_route(self) -> tuple[int, str, bytes]:
+        return 200, PROMETHEUS_CONTENT_TYPE, render(self.registry)
+
+    def _healthz(self) -> tuple[int, str, bytes]:
+        ok, checks = self.health.live()
+        return (200 if ok else 503), "application/json", health_body(ok, checks)
+
+    def _readyz(self) -> tuple[int, str, bytes]:
+        ok, checks = self.health.ready()
+        return (200 if ok else 503), "application/json", health_body(ok, checks)
+
+    def status(self) -> dict[str, Any]:
+        groups = []
+        for group in self.store.groups():
+            item = group.status()
+            item["control"] = self.controller.status(group.key)
+            groups.append(item)
+        return {"agent": {"version": __version__, "mode": self.cfg.mode, "socket": self.cfg.socket,
+                          "started_at": self.started_at, "audit_log": self.cfg.audit_log,
+                          "frames_rejected": dict(self._series("moewatch_frames_rejected_total")),
+                          "frames_received": dict(self._series("moewatch_frames_received_total"))},
+                "groups": groups}
+
+    def _series(self, name: str) -> list[tuple[str, float]]:
+        return [(labels[0], value) for labels, value in self.metrics.series(name)]
+
+    def _status_route(self) -> tuple[int, str, bytes]:
+        return 200, "application/json", json.dumps(jsonable(self.status()), allow_nan=False).encode()

@@ -1,0 +1,427 @@
+"""Decisions only: what the agent would change, and whether it should. No sockets, no files, no clocks
+(the caller passes `now`), so every rule is testable on simulated windows.
+
+`decide(view, cfg, now)` runs the guardrails in order, per layer:
+1. persistence: the layer's verdict (or its overflow flag) held for the last K windows of the epoch
+   in force (older epochs never count: the fence);
+2. a lever exists: `batch` is the operator's to change, the runtime must advertise `plan` (placement)
+   or `capacity`;
+3. cooldown: a layer changed less than `cooldown_seconds` ago is left alone;
+4. the planner proposes (replica counts within the runtime's fixed slots and `max_replicas_per_expert`,
+   packed onto GPUs, aligned to the current placement so as few slots as possible change);
+5. the cost gate: predicted seconds saved over `horizon_seconds` against the predicted migration stall
+   of the slots that change; what does not pay is skipped;
+6. capacity factor within [capacity_factor_min, capacity_factor_max]; lossy caps only when allowed;
+7. the global rate limit on plans per hour.
+Whatever passes is folded into one whole Plan (every layer's map and capacity factor), the rest is
+reported as skipped with its reason and numbers. `verify(...)` judges a plan after its Ack from the
+windows of the new epoch only, and says when to roll back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from moewatch.planner import metrics as pm
+
+from .store import TriagedWindow
+
+PLACEMENT_KINDS = ("replicate", "placement")
+KINDS = ("replicate", "placement", "capacity", "batch", "rollback")
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str  # replicate | placement | capacity | batch | rollback
+    layers: tuple[int, ...]
+    result: str  # recommended | proposed | skipped
+    reason: str
+    before: dict[str, Any] = field(default_factory=dict)
+    after: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "layers": list(self.layers), "result": self.result, "reason": self.reason,
+                "before": self.before, "after": self.after}
+
+
+@dataclass(frozen=True)
+class LayerBaseline:
+    """A changed layer's state before the change, for verification."""
+
+    layer: int
+    balancedness: float  # measured, mean over the windows the decision used
+    layer_seconds: float  # measured per-step layer time (slowest rank), mean
+    seconds_per_bottleneck_pair: float  # layer_seconds over the busiest rank's pairs per step
+    model_bias: float  # measured minus model balancedness of the old placement on the same load
+    old_map: np.ndarray  # [P] the layer's placement before
+    old_capacity: float
+
+
+@dataclass(frozen=True)
+class Proposal:
+    decisions: list[Decision]
+    physical_to_logical_map: np.ndarray | None = None  # [L, P] whole desired state, when anything passed
+    capacity_factor: np.ndarray | None = None  # [L]
+    changed_layers: tuple[int, ...] = ()
+    baseline: dict[int, LayerBaseline] = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def has_plan(self) -> bool:
+        return self.physical_to_logical_map is not None
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """What the policy sees of one EP group."""
+
+    num_gpus: int
+    num_nodes: int
+    num_experts: int
+    num_slots: int
+    capabilities: frozenset[str]
+    windows: Sequence[TriagedWindow]  # of the epoch in force, oldest first
+    last_change: dict[int, float] = field(default_factory=dict)  # layer -> time of its last change
+    plan_times: Sequence[float] = ()  # times plans were sent (rate limit)
+
+
+# --- evidence ----------------------------------------------------------------------------------------
+
+def persistent_verdicts(windows: Sequence[TriagedWindow], k: int) -> dict[int, tuple[str, str | None]]:
+    """Layers whose verdict and cause were the same, and not healthy, in each of the last k windows."""
+    if len(windows) < k:
+        return {}
+    last = [t.diagnosis.layers for t in windows[-k:]]
+    out = {}
+    for layer in range(len(last[-1])):
+        seen = {(layers[layer].verdict, layers[layer].cause) for layers in last}
+        if len(seen) == 1:
+            verdict, cause = next(iter(seen))
+            if verdict != "healthy":
+                out[layer] = (verdict, cause)
+    return out
+
+
+def persistent_overflow(windows: Sequence[TriagedWindow], k: int) -> list[int]:
+    if len(windows) < k:
+        return []
+    last = [t.diagnosis.layers for t in windows[-k:]]
+    return [layer for layer in range(len(last[-1])) if all(layers[layer].overflow for layers in last)]
+
+
+def computed_load(windows: Sequence[TriagedWindow]) -> np.ndarray:
+    """[L, E] pairs each expert computed per step, averaged over the windows (drops left out)."""
+    total = sum((t.window.expert_tokens - t.window.dropped_tokens).astype(np.float64) for t in windows)
+    steps = sum(max(t.window.steps, 1) for t in windows)
+    return total / steps
+
+
+def steps_per_second(windows: Sequence[TriagedWindow]) -> float:
+    steps = sum(len(t.window.step_seconds) for t in windows)
+    seconds = sum(float(t.window.step_seconds.sum()) for t in windows)
+    return steps / seconds if seconds > 0 else 0.0
+
+
+def seconds_per_bottleneck_pair(windows: Sequence[TriagedWindow], layer: int) -> float:
+    """Per-step layer time over the busiest rank's pairs per step, both averaged over the windows:
+    the layer's speed with the load's size taken out, so a shift in traffic does not move it."""
+    seconds = _mean_metric(windows, layer, "layer_seconds_per_step")
+    busiest = np.mean([max(t.diagnosis.layers[layer].metrics["rank_load"]) / max(t.window.steps, 1)
+                       for t in windows])
+    return seconds / busiest if busiest > 0 and math.isfinite(seconds) else float("nan")
+
+
+def _mean_metric(windows: Sequence[TriagedWindow], layer: int, key: str) -> float:
+    values = [t.diagnosis.layers[layer].metrics.get(key) for t in windows]
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else float("nan")
+
+
+# --- the planner, behind one function ------------------------------------------------------------------
+
+def capped_replica_counts(load: np.ndarray, num_slots: int, max_replicas: int) -> np.ndarray:
+    """[L, E] load -> [L, E] replica counts summing to num_slots, each in [1, max_replicas] where the
+    slots allow it (the planner's water-filling, then excess handed to the next most loaded experts
+    per replica)."""
+    from moewatch.planner.replicate import replica_counts
+
+    counts = replica_counts(load, num_slots)
+    L, E = counts.shape
+    cap = max(max_replicas, math.ceil(num_slots / E))  # the slots must go somewhere
+    for layer in range(L):
+        row = counts[layer]
+        excess = int(np.maximum(row - cap, 0).sum())
+        if not excess:
+            continue
+        row[:] = np.minimum(row, cap)
+        for _ in range(excess):
+            per_replica = np.where(row < cap, load[layer] / row, -np.inf)
+            row[int(np.argmax(per_replica))] += 1
+    return counts
+
+
+def align_to_current(new: np.ndarray, current: np.ndarray, num_gpus: int) -> np.ndarray:
+    """[L, P] new placement relabelled so it moves as few slots as possible from `current` [L, P]:
+    GPUs matched to the current GPU whose experts they share most (an assignment problem), then,
+    within a GPU, experts kept in the slots that already hold them. Per-GPU expert multisets (so
+    every load and balance figure) are unchanged."""
+    from scipy.optimize import linear_sum_assignment
+
+    L, P = new.shape
+    S = P // num_gpus
+    out = np.empty_like(new)
+    for layer in range(L):
+        new_gpus = new[layer].reshape(num_gpus, S)
+        cur_gpus = current[layer].reshape(num_gpus, S)
+        overlap = np.zeros((num_gpus, num_gpus))
+        for a in range(num_gpus):
+            for b in range(num_gpus):
+                overlap[a, b] = _multiset_overlap(new_gpus[a], cur_gpus[b])
+        rows, cols = linear_sum_assignment(-overlap)
+        for a, b in zip(rows, cols):
+            out[layer, b * S:(b + 1) * S] = _keep_in_place(new_gpus[a], cur_gpus[b])
+    return out
+
+
+def _multiset_overlap(a: np.ndarray, b: np.ndarray) -> int:
+    values = np.union1d(a, b)
+    return int(sum(min(int((a == v).sum()), int((b == v).sum())) for v in values))
+
+
+def _keep_in_place(experts: np.ndarray, current_slots: np.ndarray) -> np.ndarray:
+    """Order `experts` (one GPU's new experts) so those already in a slot stay there."""
+    remaining = list(experts)
+    out = np.full(len(current_slots), -1, dtype=np.int64)
+    for i, e in enumerate(current_slots):
+        if e in remaining:
+            out[i] = e
+            remaining.remove(e)
+    out[out < 0] = remaining
+    return out
+
+
+def propose_placement(load: np.ndarray, current: np.ndarray, num_gpus: int, num_nodes: int,
+                      max_replicas: int) -> np.ndarray:
+    """[L, E] load, [L, P] current placement -> [L, P] proposed placement (every layer)."""
+    from moewatch.planner.packing import pack
+
+    counts = capped_replica_counts(load, current.shape[1], max_replicas)
+    return align_to_current(pack(load, counts, num_gpus, num_nodes), current, num_gpus)
+
+
+def migration_stall_seconds(slots_moved: int, expert_bytes: int, bandwidth: float) -> float:
+    """Seconds the runtime stalls to load `slots_moved` experts' weights."""
+    return slots_moved * expert_bytes / bandwidth
+
+
+# --- decide -------------------------------------------------------------------------------------------
+
+def decide(view: GroupView, cfg, now: float) -> Proposal:
+    """The guardrails above, for one group; `cfg` is an AgentConfig (mode, K, cooldown, bounds...)."""
+    windows = list(view.windows)
+    k = cfg.persist_windows
+    if cfg.mode == "observe" or len(windows) < k:
+        return Proposal([])
+    evidence = windows[-k:]
+    latest = evidence[-1]
+    current_map = np.array(latest.window.physical_to_logical_map)
+    current_cap = np.array(latest.window.capacity_factor, dtype=np.float64)
+    verdicts = persistent_verdicts(evidence, k)
+    overflowing = persistent_overflow(evidence, k)
+    decisions: list[Decision] = []
+    placement_layers: dict[int, str] = {}  # layer -> the triage's action kind
+    capacity_values: dict[int, tuple[float, bool]] = {}
+
+    def skip(kind: str, layers: Sequence[int], reason: str, before=None, after=None) -> None:
+        decisions.append(Decision(kind, tuple(layers), "skipped", reason, before or {}, after or {}))
+
+    for layer in sorted(set(verdicts) | set(overflowing)):
+        diag = latest.diagnosis.layers[layer]
+        verdict, cause = verdicts.get(layer, (diag.verdict, diag.cause))
+        label = (verdict + (f"/{cause}" if cause else "") if layer in verdicts else "overflow") + \
+            (" with overflow" if layer in verdicts and layer in overflowing else "")
+        first = {kind: next((a for a in diag.actions if a.kind == kind and not a.params.get("lossy")), None)
+                 for kind in ("replicate", "placement", "capacity", "batch")}
+        lossy_cap = next((a for a in diag.actions if a.kind == "capacity" and a.params.get("lossy")), None)
+        since = view.last_change.get(layer)
+        if since is not None and now - since < cfg.cooldown_seconds:
+            kind = next((a.kind for a in diag.actions), "placement")
+            skip(kind, [layer], f"{label}: layer in cooldown for another {cfg.cooldown_seconds - (now - since):.0f} s")
+            continue
+        if layer in verdicts:
+            placement = first["replicate"] or first["placement"]
+            if placement is not None:
+                if "plan" in view.capabilities:
+                    placement_layers[layer] = placement.kind
+                else:
+                    skip(placement.kind, [layer], f"{label}: the runtime does not apply placement plans")
+            elif first["batch"] is not None:
+                action = first["batch"]
+                decisions.append(Decision(
+                    "batch", (layer,), "recommended" if cfg.mode == "recommend" else "skipped",
+                    f"{label}: {action.summary}" + ("" if cfg.mode == "recommend"
+                                                    else " The batch is the operator's to change."),
+                    {"a2a_share": diag.metrics["a2a_share"], "mean_message_bytes": diag.metrics["mean_message_bytes"]},
+                    {"predicted_gain": round(action.predicted_gain, 4)}))
+            elif lossy_cap is not None and layer not in overflowing:
+                if not cfg.allow_lossy_capacity:
+                    skip("capacity", [layer], f"{label}: the only action is a lossy cap at capacity factor "
+                         f"{lossy_cap.params['value']:g} (drops pairs); set allow_lossy_capacity to allow it")
+                elif "capacity" in view.capabilities:
+                    capacity_values[layer] = (float(lossy_cap.params["value"]), True)
+                else:
+                    skip("capacity", [layer], f"{label}: the runtime does not take a capacity factor")
+            else:
+                skip("placement", [layer], f"{label} for {k} windows but the triage names no action to take")
+        if layer in overflowing and first["capacity"] is not None:
+            if "capacity" in view.capabilities:
+                capacity_values[layer] = (float(first["capacity"].params["value"]), False)
+            else:
+                skip("capacity", [layer], f"{label}: the runtime does not take a capacity factor")
+
+    new_map = current_map.copy()
+    new_cap = current_cap.copy()
+    accepted: dict[int, str] = {}
+    baseline: dict[int, LayerBaseline] = {}
+    pending: list[Decision] = []
+    load = computed_load(evidence)
+    model_before = pm.balancedness(load, current_map, view.num_gpus)
+
+    if placement_layers:
+        proposed = propose_placement(load, current_map, view.num_gpus, view.num_nodes, cfg.max_replicas_per_expert)
+        model_after = pm.balancedness(load, proposed, view.num_gpus)
+        gpu_before = pm.gpu_load(load, current_map, view.num_gpus).max(axis=1)
+        gpu_after = pm.gpu_load(load, proposed, view.num_gpus).max(axis=1)
+        moved = pm.experts_moved(current_map, proposed)
+        counts_before = pm.replica_counts_of(current_map, view.num_experts)
+        counts_after = pm.replica_counts_of(proposed, view.num_experts)
+        rate = steps_per_second(evidence)
+        for layer, triage_kind in placement_layers.items():
+            kind = "replicate" if not np.array_equal(counts_before[layer], counts_after[layer]) else "placement"
+            seconds = _mean_metric(evidence, layer, "layer_seconds_per_step")
+            measured = _mean_metric(evidence, layer, "balancedness")
+            ratio = gpu_after[layer] / gpu_before[layer] if gpu_before[layer] > 0 else 1.0
+            saved_per_step = max(0.0, seconds * (1.0 - ratio)) if math.isfinite(seconds) else 0.0
+            gain = saved_per_step * rate * cfg.horizon_seconds
+            stall = migration_stall_seconds(int(moved[layer]), cfg.expert_bytes,
+                                            cfg.migration_bandwidth_bytes_per_second)
+            hot = latest.diagnosis.layers[layer].metrics["hot_experts"]
+            before = {"balancedness": round(measured, 4), "model_balancedness": round(float(model_before[layer]), 4),
+                      "layer_seconds_per_step": seconds, "max_gpu_pairs_per_step": round(float(gpu_before[layer]), 2),
+                      "replicas": {int(e): int(counts_before[layer, e]) for e in hot},
+                      "verdict": "/".join(filter(None, verdicts.get(layer, ("", None))))}
+            after = {"model_balancedness": round(float(model_after[layer]), 4),
+                     "layer_seconds_per_step": seconds - saved_per_step,
+                     "max_gpu_pairs_per_step": round(float(gpu_after[layer]), 2),
+                     "replicas": {int(e): int(counts_after[layer, e]) for e in hot},
+                     "slots_moved": int(moved[layer]), "predicted_stall_seconds": stall,
+                     "predicted_gain_seconds": gain, "horizon_seconds": cfg.horizon_seconds}
+            if moved[layer] == 0 or model_after[layer] <= model_before[layer] + 1e-9:
+                skip(kind, [layer], f"the planner finds no better placement for layer {layer} "
+                     f"(model balancedness {model_before[layer]:.3f} -> {model_after[layer]:.3f})", before, after)
+                continue
+            if gain <= cfg.gain_margin * stall:
+                skip(kind, [layer], f"does not pay: {gain:.3f} s saved over {cfg.horizon_seconds:g} s "
+                     f"<= {cfg.gain_margin:g} x {stall:.3f} s stall moving {int(moved[layer])} slots", before, after)
+                continue
+            new_map[layer] = proposed[layer]
+            accepted[layer] = kind
+            reason = (f"{before['verdict']} for {k} windows: {kind} "
+                      + (f"hot expert{'s' if len(hot) > 1 else ''} {', '.join(map(str, hot))} " if kind == "replicate"
+                         and hot else "")
+                      + f"-> balancedness {model_before[layer]:.3f} -> {model_after[layer]:.3f} (model); "
+                      f"gain {gain:.2f} s over {cfg.horizon_seconds:g} s vs stall {stall:.3f} s")
+            pending.append(Decision(kind, (layer,), "proposed", reason, before, after))
+
+    for layer, (value, lossy) in capacity_values.items():
+        current = float(current_cap[layer])
+        clamped = min(max(value, cfg.capacity_factor_min), cfg.capacity_factor_max)
+        before = {"capacity_factor": current, "overflow_rate": _mean_metric(evidence, layer, "overflow_rate")}
+        after = {"capacity_factor": clamped, "suggested": value}
+        if current == 0.0 and not lossy:
+            skip("capacity", [layer], "the layer is dropless: no capacity factor to raise", before, after)
+            continue
+        if not lossy and clamped <= current:
+            skip("capacity", [layer], f"capacity factor already {current:g}, at the bound "
+                 f"[{cfg.capacity_factor_min:g}, {cfg.capacity_factor_max:g}] (suggested {value:g})", before, after)
+            continue
+        new_cap[layer] = clamped
+        accepted.setdefault(layer, "capacity")
+        pending.append(Decision("capacity", (layer,), "proposed",
+                                f"overflow {before['overflow_rate']:.1%} for {k} windows: capacity factor "
+                                f"{current:g} -> {clamped:g}" + (f" (suggested {value:g}, bounded)" if clamped != value else ""),
+                                before, after))
+
+    if not pending:
+        return Proposal(decisions)
+    recent = [t for t in view.plan_times if now - t < 3600.0]
+    if cfg.mode == "act" and len(recent) >= cfg.max_plans_per_hour:
+        for d in pending:
+            skip(d.kind, d.layers, f"rate limit: {len(recent)} plans in the last hour (max "
+                 f"{cfg.max_plans_per_hour}); would have: {d.reason}", d.before, d.after)
+        return Proposal(decisions)
+    result = "recommended" if cfg.mode == "recommend" else "proposed"
+    decisions.extend(Decision(d.kind, d.layers, result, d.reason, d.before, d.after) for d in pending)
+    for layer in accepted:
+        measured = _mean_metric(evidence, layer, "balancedness")
+        baseline[layer] = LayerBaseline(
+            layer, measured, _mean_metric(evidence, layer, "layer_seconds_per_step"),
+            seconds_per_bottleneck_pair(evidence, layer), measured - float(model_before[layer]),
+            current_map[layer].copy(), float(current_cap[layer]))
+    summary = "; ".join(f"layer {layer}: {kind}" for layer, kind in sorted(accepted.items()))
+    return Proposal(decisions, new_map, new_cap, tuple(sorted(accepted)), baseline, summary)
+
+
+# --- verify -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Verification:
+    status: str  # wait | keep | rollback
+    worse_layers: tuple[int, ...] = ()
+    reason: str = ""
+    numbers: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+def verify(baseline: dict[int, LayerBaseline], windows: Sequence[TriagedWindow], cfg, num_gpus: int) -> Verification:
+    """Judge a plan from `windows` (only those of its epoch: the caller fences).
+
+    A changed layer got worse when either
+    - its measured balancedness is below what its old placement would give on the same traffic
+      (the model's figure for the old map on the new windows' load, corrected by the model's bias
+      measured before the change) by more than rollback_balancedness_drop; or
+    - its time per step over the busiest rank's pairs per step rose by more than rollback_time_rise
+      (the layer got slower for the same bottleneck load: more traffic, a slower path).
+    Both compare like with like, so a shift in traffic after the change (drift) is not blamed on it.
+    """
+    if len(windows) < cfg.verify_windows:
+        return Verification("wait")
+    recent = list(windows[-cfg.verify_windows:])
+    load = computed_load(recent)
+    worse, numbers, reasons = [], {}, []
+    for layer, base in baseline.items():
+        measured = _mean_metric(recent, layer, "balancedness")
+        seconds = _mean_metric(recent, layer, "layer_seconds_per_step")
+        speed = seconds_per_bottleneck_pair(recent, layer)
+        old_model = float(pm.balancedness(load[layer:layer + 1], base.old_map[None, :], num_gpus)[0])
+        counterfactual = min(1.0, old_model + base.model_bias)
+        numbers[layer] = {"balancedness_before": base.balancedness, "balancedness_after": measured,
+                          "balancedness_old_map_same_load": counterfactual,
+                          "layer_seconds_before": base.layer_seconds, "layer_seconds_after": seconds,
+                          "seconds_per_bottleneck_pair_before": base.seconds_per_bottleneck_pair,
+                          "seconds_per_bottleneck_pair_after": speed}
+        if measured < counterfactual - cfg.rollback_balancedness_drop:
+            worse.append(layer)
+            reasons.append(f"layer {layer} balancedness {measured:.3f} vs {counterfactual:.3f} with the old "
+                           "placement on the same load")
+        elif (math.isfinite(base.seconds_per_bottleneck_pair) and math.isfinite(speed)
+              and speed > base.seconds_per_bottleneck_pair * (1 + cfg.rollback_time_rise)):
+            worse.append(layer)
+            reasons.append(f"layer {layer} takes {speed / base.seconds_per_bottleneck_pair - 1:.0%} longer for the "
+                           f"same busiest-rank load ({seconds * 1e3:.2f} ms/step vs {base.layer_seconds * 1e3:.2f})")
+    if worse:
+        return Verification("rollback", tuple(worse), "; ".join(reasons), numbers)
+    return Verification("keep", (), "every changed layer held or improved", numbers)

@@ -1,0 +1,187 @@
+"""What the agent remembers per EP group: identity, a bounded rolling history of triaged windows,
+the epoch fence, and the windows waiting for the triage job.
+
+One `GroupStore` per (model, ep_group). `accept_window` is the gate every window passes before it
+counts: it must follow a hello, match the hello's sizes, end after the previous window, and carry an
+epoch no older than the one in force. A window that fails is rejected whole with a reason (the
+frames_rejected_total label); nothing of it is kept.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from moewatch.telemetry import Window
+from moewatch.triage import WindowDiagnosis
+from moewatch.wire import Hello
+
+from .exporters import GroupExportMemory
+
+GroupKey = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class TriagedWindow:
+    window: Window
+    diagnosis: WindowDiagnosis
+    received_at: float
+
+
+@dataclass
+class GroupStore:
+    key: GroupKey
+    history_windows: int
+    hello: Hello | None = None
+    connection_id: int | None = None
+    connected: bool = False
+    history: deque = field(init=False)
+    untriaged: deque = field(init=False)
+    last_end_time: float = float("-inf")
+    epoch_in_force: int = 0
+    max_epoch_seen: int = 0
+    windows_accepted: int = 0
+    runtime_frames_dropped: int = 0  # the runtime's own cumulative count, as last reported
+    last_heartbeat: float | None = None
+    last_window_received: float | None = None
+    export: GroupExportMemory = field(default_factory=GroupExportMemory)
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.history = deque(maxlen=self.history_windows)
+        # Bounded too: if triage falls behind, the oldest untriaged windows go first.
+        self.untriaged = deque(maxlen=self.history_windows)
+
+    # --- connection lifecycle -----------------------------------------------------------------
+    def on_hello(self, hello: Hello, connection_id: int) -> None:
+        with self.lock:
+            self.hello = hello
+            self.connection_id = connection_id
+            self.connected = True
+            # A restarted runtime starts its epochs again; the fence follows what it runs now,
+            # while max_epoch_seen keeps growing so the next plan is still newer than any sent.
+            self.epoch_in_force = hello.epoch
+            self.max_epoch_seen = max(self.max_epoch_seen, hello.epoch)
+            self.last_end_time = float("-inf")
+            self.runtime_frames_dropped = 0
+
+    def on_disconnect(self, connection_id: int) -> bool:
+        """Mark the group disconnected if this connection is still its current one."""
+        with self.lock:
+            if self.connection_id != connection_id:
+                return False
+            self.connected = False
+            return True
+
+    # --- windows ------------------------------------------------------------------------------
+    def check_window(self, w: Window) -> str | None:
+        """None when the window may be accepted, else the rejection reason."""
+        hello = self.hello
+        if hello is None:
+            return "out_of_order"
+        sizes = {"world_size": w.world_size, "num_layers": w.num_layers, "num_experts": w.num_experts,
+                 "num_slots": w.num_slots}
+        if any(getattr(hello, k) != v for k, v in sizes.items()):
+            return "mismatch"
+        if w.end_time <= self.last_end_time:
+            return "out_of_order"
+        if w.epoch < self.epoch_in_force:
+            return "stale_epoch"
+        return None
+
+    def accept_window(self, w: Window, now: float | None = None) -> str | None:
+        with self.lock:
+            reason = self.check_window(w)
+            if reason is not None:
+                return reason
+            self.last_end_time = w.end_time
+            self.epoch_in_force = w.epoch
+            self.max_epoch_seen = max(self.max_epoch_seen, w.epoch)
+            self.untriaged.append(w)
+            self.windows_accepted += 1
+            self.last_window_received = time.time() if now is None else now
+            return None
+
+    def take_untriaged(self) -> list[Window]:
+        with self.lock:
+            out = list(self.untriaged)
+            self.untriaged.clear()
+            return out
+
+    def add_triaged(self, item: TriagedWindow) -> None:
+        with self.lock:
+            self.history.append(item)
+
+    def recent(self, epoch: int | None = None) -> list[TriagedWindow]:
+        """History oldest first, optionally only the windows of one epoch."""
+        with self.lock:
+            items = list(self.history)
+        return items if epoch is None else [t for t in items if t.window.epoch == epoch]
+
+    def latest(self) -> TriagedWindow | None:
+        with self.lock:
+            return self.history[-1] if self.history else None
+
+    def note_epoch(self, epoch: int) -> None:
+        with self.lock:
+            self.max_epoch_seen = max(self.max_epoch_seen, epoch)
+
+    def next_epoch(self) -> int:
+        """A plan's epoch: one past every epoch seen (hello, windows, acks, plans sent)."""
+        with self.lock:
+            self.max_epoch_seen += 1
+            return self.max_epoch_seen
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            latest = self.history[-1] if self.history else None
+            hello = self.hello
+            return {
+                "model": self.key[0], "ep_group": self.key[1], "connected": self.connected,
+                "runtime": hello.runtime if hello else None,
+                "sizes": None if hello is None else {"world_size": hello.world_size, "num_layers": hello.num_layers,
+                                                     "num_experts": hello.num_experts, "num_slots": hello.num_slots},
+                "epoch_in_force": self.epoch_in_force, "max_epoch_seen": self.max_epoch_seen,
+                "windows_accepted": self.windows_accepted, "history": len(self.history),
+                "last_window_end": None if latest is None else latest.window.end_time,
+                "layers": [] if latest is None else [
+                    {"layer": d.layer, "verdict": d.verdict, "cause": d.cause, "overflow": d.overflow,
+                     "balancedness": d.metrics["balancedness"], "a2a_share": d.metrics["a2a_share"],
+                     "rank_load_max_mean": d.metrics["rank_load_max_mean"],
+                     "layer_seconds_per_step": d.metrics["layer_seconds_per_step"],
+                     "hot_experts": d.metrics["hot_experts"],
+                     "first_action": d.actions[0].kind if d.actions else None}
+                    for d in latest.diagnosis.layers],
+                "summary": None if latest is None else latest.diagnosis.summary,
+            }
+
+
+class Store:
+    """Every group the agent has heard from, bounded by max_groups."""
+
+    def __init__(self, history_windows: int, max_groups: int):
+        self.history_windows = history_windows
+        self.max_groups = max_groups
+        self._groups: dict[GroupKey, GroupStore] = {}
+        self._lock = threading.Lock()
+
+    def get_or_create(self, key: GroupKey) -> GroupStore | None:
+        """None when the group is new and the store is full."""
+        with self._lock:
+            group = self._groups.get(key)
+            if group is None:
+                if len(self._groups) >= self.max_groups:
+                    return None
+                group = self._groups[key] = GroupStore(key, self.history_windows)
+            return group
+
+    def get(self, key: GroupKey) -> GroupStore | None:
+        with self._lock:
+            return self._groups.get(key)
+
+    def groups(self) -> list[GroupStore]:
+        with self._lock:
+            return list(self._groups.values())

@@ -1,0 +1,83 @@
+"""`moewatch top`: a running agent's per-layer view, refreshed in the terminal (reads /status)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import click
+
+_COLOURS = {"healthy": "green", "comm-bound": "yellow", "imbalance-bound": "red"}
+
+
+class TopError(Exception):
+    pass
+
+
+def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    target = url.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError) as exc:
+        raise TopError(f"{target}: cannot reach the agent ({getattr(exc, 'reason', exc)})") from None
+    except json.JSONDecodeError:
+        raise TopError(f"{target}: not a moewatch agent (the answer is not JSON)") from None
+
+
+def render(status: dict[str, Any], colour: bool) -> str:
+    agent = status.get("agent", {})
+    lines = [f"moewatch agent {agent.get('version', '?')}, mode {agent.get('mode', '?')}; "
+             f"frames rejected: {sum(agent.get('frames_rejected', {}).values()):.0f}"]
+    if not status.get("groups"):
+        lines.append("no runtime has connected yet")
+    for g in status.get("groups", []):
+        sizes = g.get("sizes") or {}
+        ctl = g.get("control", {})
+        lines.append("")
+        lines.append(f"{g['model']}/{g['ep_group']}: {'connected' if g['connected'] else 'DISCONNECTED'}, "
+                     f"epoch {g['epoch_in_force']}, {g['windows_accepted']} windows, "
+                     f"{sizes.get('world_size', '?')} ranks x {sizes.get('num_slots', '?')} slots, "
+                     f"{ctl.get('plans_applied', 0)} plans applied, {ctl.get('rollbacks', 0)} rolled back")
+        for key, label in (("in_flight", "in flight"), ("verifying", "verifying")):
+            if ctl.get(key):
+                f = ctl[key]
+                lines.append(f"  {label}: epoch {f['epoch']} layers {f['layers']} ({', '.join(f['kinds'])})")
+        lines.append(f"  {'layer':>5}  {'verdict':<16} {'cause':<12} {'balanced':>8} {'a2a':>5} "
+                     f"{'max/mean':>8} {'ms/step':>8}  hot experts")
+        for row in g.get("layers", []):
+            verdict = f"{row['verdict']:<16}"
+            if colour:
+                verdict = click.style(verdict, fg=_COLOURS.get(row["verdict"]))
+            ms = row["layer_seconds_per_step"]
+            lines.append(f"  {row['layer']:>5}  {verdict} {row['cause'] or '-':<12} {row['balancedness']:>8.3f} "
+                         f"{row['a2a_share']:>5.0%} {row['rank_load_max_mean']:>8.2f} "
+                         f"{(ms or 0) * 1e3:>8.2f}  {','.join(map(str, row['hot_experts'][:6])) or '-'}")
+        for entry in ctl.get("recent", [])[-5:]:
+            if entry.get("event") == "decision" and entry.get("result") == "skipped":
+                continue
+            lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(entry['time']))} {entry['event']}: "
+                         f"{entry.get('reason', '')[:110]}")
+    return "\n".join(lines)
+
+
+def run_top(url: str, interval: float, once: bool, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(fetch_status(url), indent=1))
+        return
+    colour = sys.stdout.isatty()
+    while True:
+        text = render(fetch_status(url), colour)
+        if not once and colour:
+            click.echo("\x1b[2J\x1b[H", nl=False)
+        click.echo(text)
+        if once:
+            return
+        try:
+            time.sleep(interval)
+        except KeyboardInterrupt:
+            return

@@ -1,0 +1,174 @@
+"""The policy alone: windows in, decisions out (no sockets, no clocks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moewatch.agent import policy
+from moewatch.agent.config import build_config
+from moewatch.agent.store import TriagedWindow
+from moewatch.planner import metrics as pm
+from moewatch.triage import diagnose
+
+W, L, E, P = 4, 2, 8, 12
+
+
+def cfg(**changes):
+    base = {"mode": "act", "persist_windows": 3, "socket": "/tmp/unused.sock", "audit_log": "/tmp/unused.jsonl"}
+    return build_config(flags={**base, **changes}, environ={})
+
+
+def triaged(helpers, load, pmap, n, epoch=0, start=1000.0, **kw):
+    out = []
+    for i in range(n):
+        w = helpers.make_window(load, pmap, W, epoch=epoch, start_time=start + 10 * i, **kw)
+        out.append(TriagedWindow(w, diagnose(w), 0.0))
+    return out
+
+
+def view(windows, **changes):
+    base = dict(num_gpus=W, num_nodes=1, num_experts=E, num_slots=P, capabilities=frozenset({"plan", "capacity"}),
+                windows=windows)
+    return policy.GroupView(**{**base, **changes})
+
+
+def test_hot_expert_is_replicated_and_balancedness_rises(helpers):
+    load = helpers.hot_load(L, E, hot=0)
+    pmap = helpers.contiguous(L, E, P)
+    windows = triaged(helpers, load, pmap, 3)
+    assert all(d.verdict == "imbalance-bound" for d in windows[-1].diagnosis.layers)
+    proposal = policy.decide(view(windows), cfg(), now=0.0)
+    assert proposal.has_plan
+    assert set(proposal.changed_layers) == {0, 1}
+    assert {d.kind for d in proposal.decisions} == {"replicate"}
+    counts = pm.replica_counts_of(proposal.physical_to_logical_map, E)
+    assert (counts[:, 0] > 1).all(), "the hot expert got replicas"
+    assert (counts <= 4).all()
+    before = pm.balancedness(load.astype(float), pmap, W)
+    after = pm.balancedness(load.astype(float), proposal.physical_to_logical_map, W)
+    assert (after > before + 0.1).all()
+    # The decision carries its numbers, before and after.
+    d = proposal.decisions[0]
+    assert d.after["model_balancedness"] > d.before["model_balancedness"]
+    assert d.after["slots_moved"] > 0 and d.after["predicted_stall_seconds"] > 0
+    # A whole plan: the other layers keep their maps, the capacity factors stay.
+    assert proposal.capacity_factor.tolist() == [0.0] * L
+
+
+def test_observe_mode_and_short_evidence_decide_nothing(helpers):
+    windows = triaged(helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 3)
+    assert policy.decide(view(windows), cfg(mode="observe"), 0.0).decisions == []
+    assert policy.decide(view(windows[:2]), cfg(), 0.0).decisions == []
+
+
+def test_verdict_must_persist_k_windows(helpers):
+    pmap = helpers.contiguous(L, E, P)
+    healthy = triaged(helpers, np.full((L, E), 200), pmap, 1)
+    hot = triaged(helpers, helpers.hot_load(L, E), pmap, 2, start=2000.0)
+    assert healthy[0].diagnosis.layers[0].verdict == "healthy"
+    assert not policy.decide(view(healthy + hot), cfg(), 0.0).has_plan
+    assert policy.decide(view(healthy + hot), cfg(persist_windows=2), 0.0).has_plan
+
+
+def test_cost_gate_skips_what_does_not_pay(helpers):
+    windows = triaged(helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 3)
+    # Huge experts over a slow link: the stall outweighs any gain over a short horizon.
+    proposal = policy.decide(view(windows), cfg(expert_bytes=10**12, horizon_seconds=10), 0.0)
+    assert not proposal.has_plan
+    assert proposal.decisions and all(d.result == "skipped" for d in proposal.decisions)
+    assert all("does not pay" in d.reason for d in proposal.decisions)
+    d = proposal.decisions[0]
+    assert d.after["predicted_gain_seconds"] < d.after["predicted_stall_seconds"]
+
+
+def test_cooldown_and_rate_limit(helpers):
+    windows = triaged(helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 3)
+    cooled = policy.decide(view(windows, last_change={0: 100.0}), cfg(cooldown_seconds=300), now=200.0)
+    assert cooled.changed_layers == (1,)
+    skipped = [d for d in cooled.decisions if d.result == "skipped"]
+    assert skipped and skipped[0].layers == (0,) and "cooldown" in skipped[0].reason
+    limited = policy.decide(view(windows, plan_times=(100.0, 150.0)), cfg(max_plans_per_hour=2), now=200.0)
+    assert not limited.has_plan
+    assert all(d.result == "skipped" and "rate limit" in d.reason for d in limited.decisions)
+
+
+def test_recommend_mode_recommends(helpers):
+    windows = triaged(helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 3)
+    proposal = policy.decide(view(windows), cfg(mode="recommend"), 0.0)
+    assert {d.result for d in proposal.decisions} == {"recommended"}
+
+
+def test_no_plan_capability_means_skipped(helpers):
+    windows = triaged(helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 3)
+    proposal = policy.decide(view(windows, capabilities=frozenset()), cfg(), 0.0)
+    assert not proposal.has_plan
+    assert all("does not apply placement plans" in d.reason for d in proposal.decisions)
+
+
+def test_max_replicas_per_expert_is_respected(helpers):
+    load = helpers.hot_load(1, E, hot_pairs=5000)
+    windows = triaged(helpers, load, helpers.contiguous(1, E, P), 3)
+    proposal = policy.decide(view(windows), cfg(max_replicas_per_expert=2), 0.0)
+    assert proposal.has_plan
+    assert pm.replica_counts_of(proposal.physical_to_logical_map, E).max() == 2
+
+
+def test_capacity_raise_is_bounded(helpers):
+    from moewatch.examples import scenario, simulate
+
+    s = scenario("overflow", world_size=4, num_experts=8, num_layers=2)
+    windows = [TriagedWindow(w, diagnose(w), 0.0) for w in
+               (simulate(s, seed=i, start_time=1000.0 + 10 * i) for i in range(3))]
+    assert all(d.overflow for d in windows[-1].diagnosis.layers)
+    v = view(windows, num_experts=8, num_slots=8)
+    proposal = policy.decide(v, cfg(capacity_factor_max=1.5), 0.0)
+    caps = [d for d in proposal.decisions if d.kind == "capacity"]
+    assert caps and all(d.result == "proposed" for d in caps)
+    assert proposal.capacity_factor.max() <= 1.5
+    assert (proposal.capacity_factor > 1.25).all()
+    at_bound = policy.decide(v, cfg(capacity_factor_max=1.25), 0.0)
+    assert all(d.result == "skipped" and "bound" in d.reason for d in at_bound.decisions if d.kind == "capacity")
+
+
+def test_verify_keeps_a_good_plan_and_rolls_back_a_bad_one(helpers):
+    load = helpers.hot_load(L, E)
+    old = helpers.contiguous(L, E, P)
+    before = triaged(helpers, load, old, 3)
+    c = cfg(verify_windows=2)
+    proposal = policy.decide(view(before), c, 0.0)
+    good = triaged(helpers, load, proposal.physical_to_logical_map, 2, epoch=1, start=2000.0)
+    assert policy.verify(proposal.baseline, good[:1], c, W).status == "wait"
+    kept = policy.verify(proposal.baseline, good, c, W)
+    assert kept.status == "keep", kept.reason
+    # A bad plan: the hot expert and the next busiest all on GPU 0 (slots 0-2).
+    bad_map = old.copy()
+    bad_map[0, :3] = [0, 0, 0]
+    bad_map[0, 3:] = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    bad = triaged(helpers, load, bad_map, 2, epoch=1, start=2000.0)
+    outcome = policy.verify(proposal.baseline, bad, c, W)
+    assert outcome.status == "rollback"
+    assert 0 in outcome.worse_layers
+    numbers = outcome.numbers[0]
+    assert numbers["balancedness_after"] < numbers["balancedness_old_map_same_load"] - c.rollback_balancedness_drop
+
+
+def test_verify_is_robust_to_load_drift(helpers):
+    """The hot expert moves after the change: balancedness falls, but no worse than the old map would."""
+    old = helpers.contiguous(L, E, P)
+    c = cfg(verify_windows=2)
+    proposal = policy.decide(view(triaged(helpers, helpers.hot_load(L, E, hot=0), old, 3)), c, 0.0)
+    drifted = triaged(helpers, helpers.hot_load(L, E, hot=5), proposal.physical_to_logical_map, 2, epoch=1,
+                      start=2000.0)
+    assert np.mean([d.metrics["balancedness"] for d in drifted[-1].diagnosis.layers]) < 0.9
+    assert policy.verify(proposal.baseline, drifted, c, W).status == "keep"
+
+
+@pytest.mark.parametrize("values", [(8, 3), (1, 1)])
+def test_capped_replica_counts_sum_to_slots(values):
+    cap, hot = values
+    load = np.ones((2, E))
+    load[:, 0] = 100
+    counts = policy.capped_replica_counts(load, P, cap)
+    assert (counts.sum(axis=1) == P).all()
+    assert counts.max() <= max(cap, -(-P // E))
