@@ -1,0 +1,131 @@
+"""`moewatch runtime`: spawn the reference EP runtime on this machine, drive a workload, report latency.
+
+Flags map one to one onto RuntimeConfig fields (docs/runtime.md lists them). Bad input exits 2 with
+one line; `--json` prints only the result object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import click
+
+from .config import ConfigError, RuntimeConfig, validate
+
+
+def _fail(message: str) -> None:
+    click.echo(f"moewatch runtime: error: {message}", err=True)
+    sys.exit(2)
+
+
+def _forward_signal(processes) -> None:
+    # Ctrl-C already reached the ranks (same process group); a SIGTERM to the launcher has not.
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGTERM)
+
+
+@click.command("runtime")
+@click.option("--ranks", type=int, default=4, show_default=True, help="EP ranks (processes) W.")
+@click.option("--layers", type=int, default=8, show_default=True, help="MoE layers L.")
+@click.option("--experts", type=int, default=32, show_default=True, help="Logical experts E per layer.")
+@click.option("--slots", type=int, default=None, help="Physical slots P (>= E, divisible by W); default E.")
+@click.option("--top-k", "top_k", type=int, default=2, show_default=True, help="Experts per token k.")
+@click.option("--hidden", type=int, default=128, show_default=True, help="Hidden size d.")
+@click.option("--ffn", type=int, default=256, show_default=True, help="Expert FFN size.")
+@click.option("--ranks-per-node", "ranks_per_node", type=int, default=None, help="Ranks per node (default: all).")
+@click.option("--score", type=click.Choice(["softmax", "sigmoid"]), default="softmax", show_default=True)
+@click.option("--steps", type=int, default=200, show_default=True, help="Forward steps (0: run for --seconds).")
+@click.option("--seconds", type=float, default=None, help="Stop after this many seconds.")
+@click.option("--warmup-steps", "warmup_steps", type=int, default=2, show_default=True,
+              help="Steps left out of the latency and throughput figures.")
+@click.option("--batch-tokens", "batch_tokens", type=int, default=256, show_default=True,
+              help="Token slots per rank per step.")
+@click.option("--pad-fraction", "pad_fraction", type=float, default=0.0, show_default=True,
+              help="Share of each batch that is padding (never counted).")
+@click.option("--capacity-factor", "capacity_factor", type=float, default=0.0, show_default=True,
+              help="C: capacity ceil(C*N*k/E) per expert; 0 is dropless.")
+@click.option("--overflow", type=click.Choice(["drop", "reroute"]), default="drop", show_default=True)
+@click.option("--workload", type=click.Choice(["zipf", "drift", "trace"]), default="zipf", show_default=True)
+@click.option("--zipf", type=float, default=1.0, show_default=True, help="Zipf exponent of expert popularity.")
+@click.option("--hot-experts", "hot_experts", type=int, default=0, show_default=True)
+@click.option("--hot-share", "hot_share", type=float, default=0.5, show_default=True,
+              help="Share of pairs the hot experts carry together.")
+@click.option("--drift-every", "drift_every", type=int, default=50, show_default=True,
+              help="Steps between moves of the hot set (--workload drift).")
+@click.option("--affinity", type=float, default=0.0, show_default=True,
+              help="Probability a token's next-layer expert follows its current one.")
+@click.option("--trace", type=click.Path(dir_okay=False), default=None, help=".npy [tokens, layers, top_k] expert ids.")
+@click.option("--router", type=click.Choice(["learned", "synthetic"]), default="synthetic", show_default=True)
+@click.option("--placement", "placement_file", type=click.Path(dir_okay=False), default=None,
+              help="JSON file with physical_to_logical_map [L][P] in force at start.")
+@click.option("--migrate-layers-per-step", "migrate_layers_per_step", type=int, default=1, show_default=True)
+@click.option("--socket", "socket_path", default=None, help="The agent's unix socket (the runtime connects to it).")
+@click.option("--window-steps", "window_steps", type=int, default=None, help="Steps per Window (default 50).")
+@click.option("--window-seconds", "window_seconds", type=float, default=None, help="About this many seconds per Window.")
+@click.option("--windows-out", "windows_out", type=click.Path(dir_okay=False), default=None,
+              help="Append every Window as a JSON line to this file.")
+@click.option("--no-probe", "no_probe", is_flag=True, help="Run without the probe.")
+@click.option("--model-name", "model_name", default="moewatch-ref", show_default=True)
+@click.option("--ep-group", "ep_group", default="ep0", show_default=True)
+@click.option("--kernel", type=click.Choice(["torch", "triton"]), default="torch", show_default=True)
+@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--threads-per-rank", "threads_per_rank", type=int, default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print only the result as JSON.")
+def runtime(placement_file, no_probe, socket_path, as_json, **options) -> None:
+    """Launch the reference EP runtime on this machine and report step latency and throughput."""
+    placement = None
+    if placement_file:
+        placement = _read_placement(placement_file)
+    cfg = RuntimeConfig(placement=placement, probe=not no_probe, socket=socket_path, **options)
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        _fail(f"--{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}")
+    if cfg.kernel == "triton" and cfg.backend != "nccl" and os.environ.get("TRITON_INTERPRET") != "1":
+        _fail("--kernel triton needs a GPU (--backend nccl) or TRITON_INTERPRET=1")
+    if cfg.backend == "nccl":
+        import torch
+        if not torch.cuda.is_available():
+            _fail("--backend nccl needs CUDA GPUs; none is visible")
+    from .launcher import GroupError, launch, result_json
+    try:
+        result = launch(cfg, on_interrupt=_forward_signal)
+    except ConfigError as exc:
+        _fail(f"--{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}")
+    except GroupError as exc:
+        click.echo(f"moewatch runtime: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(result_json(result))
+        return
+    click.echo(f"{result.steps} steps on {cfg.ranks} ranks ({result.measured_steps} measured): "
+               f"step p50 {result.step_p50_s * 1e3:.2f} ms, p99 {result.step_p99_s * 1e3:.2f} ms, "
+               f"{result.tokens_per_s:,.0f} tokens/s")
+    click.echo(f"pairs: {result.pairs_routed} routed, {result.pairs_computed} computed, "
+               f"{result.pairs_dropped} dropped, {result.pairs_rerouted} rerouted, {result.pairs_lost} lost")
+    click.echo(f"epoch {result.epoch}; plans applied {result.plans_applied}, refused {result.plans_refused}, "
+               f"failed {result.plans_failed}; windows {result.windows_built}")
+    if result.sender is not None:
+        s = result.sender
+        click.echo(f"agent link: {s['frames_sent']} frames sent, {s['frames_dropped']} dropped, "
+                   f"{s['connects']} connections, {s['plans_received']} plans received")
+
+
+def _read_placement(path: str):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except OSError as exc:
+        _fail(f"--placement: {path}: cannot read ({exc.strerror})")
+    except json.JSONDecodeError as exc:
+        _fail(f"--placement: {path}: not valid JSON ({exc.msg})")
+    pmap = data.get("physical_to_logical_map") if isinstance(data, dict) else data
+    if not isinstance(pmap, list):
+        _fail(f"--placement: {path}: expected physical_to_logical_map [L][P]")
+    return pmap

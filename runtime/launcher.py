@@ -1,0 +1,320 @@
+"""Spawn the EP group on this machine and drive a workload: the library form of `moewatch runtime`.
+
+`launch(config) -> RuntimeResult` spawns `config.ranks` processes with torch.multiprocessing (gloo on
+the CPU, NCCL on GPUs, MASTER_PORT picked free), runs the step loop on each and returns what rank 0
+measured plus every rank's pair accounting. `run_group(world_size, fn, args)` is the bare form: it
+runs fn(rank, world_size, *args) in an initialised process group and returns the results by rank.
+
+The step loop, per step: control boundary (stop and plans agreed over the group, a bounded part of a
+migration) -> the workload's batch -> forward with the probe -> the probe's flush when due.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import queue as queue_module
+import signal
+import socket
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moewatch import wire
+from moewatch.plan import Plan
+
+from .config import RuntimeConfig, validate
+from .control import Controller
+from .engine import EPEngine
+from .model import input_batch
+from .probe import RUNTIME_NAME, Probe, ProbeConfig
+from .sender import Sender
+from .workload import Workload
+
+
+class GroupError(RuntimeError):
+    """A rank of a spawned group failed; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _group_entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
+                 results, threads: int, timeout_s: float) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        value = fn(rank, world_size, *args)
+        # Plain pickle: torch's queue pickler would share tensors through fds that die with the rank.
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:
+        results.put((rank, False, pickle.dumps(traceback.format_exc())))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_group(world_size: int, fn: Callable, args: tuple = (), *, backend: str = "gloo",
+              threads_per_rank: int | None = None, timeout_s: float = 120.0,
+              on_interrupt: Callable[[list], None] | None = None) -> list[Any]:
+    """Run fn(rank, world_size, *args) on world_size spawned ranks; return the values by rank.
+
+    fn must be importable by name (a module-level function). A failing rank raises GroupError with
+    its traceback, after the other ranks are terminated.
+    """
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    context = mp.start_processes(_group_entry, args=(world_size, port, backend, fn, args, results, threads, timeout_s),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+
+    def drain(block_s: float) -> None:
+        try:
+            while True:
+                rank, ok, blob = results.get(timeout=block_s)
+                (values if ok else errors)[rank] = pickle.loads(blob)
+                block_s = 0.01
+        except queue_module.Empty:
+            pass
+
+    try:
+        while True:
+            try:
+                if context.join(timeout=0.05):
+                    break
+            except KeyboardInterrupt:
+                if on_interrupt is not None:
+                    on_interrupt(context.processes)
+                continue
+            except Exception as exc:  # a rank raised or died: the others were terminated
+                drain(0.5)
+                detail = next(iter(errors.values()), str(exc))
+                raise GroupError(f"a rank of the EP group failed:\n{detail}") from None
+            drain(0.0)
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    drain(0.5)
+    if errors or len(values) != world_size:
+        detail = next(iter(errors.values()), f"only ranks {sorted(values)} reported")
+        raise GroupError(f"a rank of the EP group failed:\n{detail}")
+    return [values[rank] for rank in range(world_size)]
+
+
+# --- the runtime ----------------------------------------------------------------------------------
+
+@dataclass
+class RuntimeResult:
+    steps: int
+    measured_steps: int
+    step_p50_s: float
+    step_p99_s: float
+    step_mean_s: float
+    tokens_per_s: float
+    tokens: int  # real tokens over all ranks and measured steps
+    wall_seconds: float
+    pairs_routed: int
+    pairs_computed: int
+    pairs_dropped: int
+    pairs_rerouted: int
+    pairs_lost: int  # routed - computed - dropped over all ranks and steps: 0 unless a pair went missing
+    epoch: int
+    placement: list  # [L][P] in force at the end
+    capacity_factor: list
+    plans_applied: int
+    plans_refused: int
+    plans_failed: int
+    acks: list = field(default_factory=list)
+    windows_built: int = 0
+    windows_invalid: int = 0
+    sender: dict | None = None
+    windows: list = field(default_factory=list)  # Window dicts when config.return_windows
+    step_seconds: list = field(default_factory=list)  # every step, slowest rank
+    config: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        """The JSON form printed by `moewatch runtime --json` (windows left out)."""
+        out = asdict(self)
+        out.pop("windows")
+        out.pop("step_seconds")
+        out.pop("placement")
+        return out
+
+
+def launch(config: RuntimeConfig, on_interrupt: Callable | None = None) -> RuntimeResult:
+    """Validate, spawn the EP group, run the workload, return the measurements."""
+    validate(config)
+    if config.workload == "trace":
+        from .workload import TraceRouting
+        TraceRouting(config.trace, config.layers, config.experts, config.top_k, config.ranks)  # fail early
+    per_rank = run_group(config.ranks, run_rank, (config,), backend=config.backend,
+                         threads_per_rank=config.threads_per_rank,
+                         timeout_s=config.collective_timeout_s, on_interrupt=on_interrupt)
+    return _merge(config, per_rank)
+
+
+def _merge(cfg: RuntimeConfig, per_rank: list[dict]) -> RuntimeResult:
+    head = per_rank[0]
+    steps = len(head["step_seconds"])
+    step_seconds = np.max(np.array([r["step_seconds"] for r in per_rank], dtype=np.float64).reshape(len(per_rank), steps),
+                          axis=0) if steps else np.zeros(0)
+    measured = step_seconds[cfg.warmup_steps:] if steps > cfg.warmup_steps else step_seconds
+    tokens = sum(sum(r["step_tokens"][cfg.warmup_steps:] if steps > cfg.warmup_steps else r["step_tokens"])
+                 for r in per_rank)
+    wall = head["measured_wall_s"]
+    pairs = {key: sum(r["pairs"][key] for r in per_rank) for key in ("routed", "returned", "dropped", "rerouted")}
+    return RuntimeResult(
+        steps=steps, measured_steps=len(measured),
+        step_p50_s=float(np.percentile(measured, 50)) if len(measured) else 0.0,
+        step_p99_s=float(np.percentile(measured, 99)) if len(measured) else 0.0,
+        step_mean_s=float(measured.mean()) if len(measured) else 0.0,
+        tokens_per_s=tokens / wall if wall > 0 else 0.0, tokens=int(tokens), wall_seconds=wall,
+        pairs_routed=pairs["routed"], pairs_computed=pairs["returned"], pairs_dropped=pairs["dropped"],
+        pairs_rerouted=pairs["rerouted"], pairs_lost=pairs["routed"] - pairs["returned"] - pairs["dropped"],
+        epoch=head["epoch"], placement=head["placement"], capacity_factor=head["capacity_factor"],
+        plans_applied=head["plans_applied"], plans_refused=head["plans_refused"], plans_failed=head["plans_failed"],
+        acks=head["acks"], windows_built=head["windows_built"], windows_invalid=head["windows_invalid"],
+        sender=head["sender"], windows=head["windows"], step_seconds=step_seconds.tolist(),
+        config=cfg.to_dict())
+
+
+class _StopFlag:
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self, signum, frame) -> None:
+        self.requested = True
+
+
+def _device_for(cfg: RuntimeConfig, rank: int) -> torch.device:
+    if cfg.backend == "nccl":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def build_probe(cfg: RuntimeConfig, rank: int, world_size: int, device: torch.device, sinks) -> Probe:
+    element_bytes = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    return Probe(ProbeConfig(
+        num_layers=cfg.layers, num_experts=cfg.experts, num_slots=cfg.num_slots, top_k=cfg.top_k,
+        hidden_bytes=cfg.hidden * element_bytes, ranks_per_node=cfg.node_size, model=cfg.model_name,
+        ep_group=cfg.ep_group, runtime=RUNTIME_NAME, window_steps=cfg.effective_window_steps,
+        window_seconds=cfg.window_seconds, traffic_max_ranks=cfg.traffic_max_ranks),
+        rank=rank, world_size=world_size, device=device, sinks=sinks)
+
+
+def run_rank(rank: int, world_size: int, cfg: RuntimeConfig) -> dict:
+    """The step loop of one rank (called inside an initialised process group)."""
+    stop_flag = _StopFlag()
+    signal.signal(signal.SIGTERM, stop_flag)
+    signal.signal(signal.SIGINT, stop_flag)
+    device = _device_for(cfg, rank)
+    inbox: queue_module.Queue = queue_module.Queue()
+    windows: list[dict] = []
+    sinks: list = []
+    sender = None
+    engine_ref: list[EPEngine] = []
+    step_ref = [0]
+    if rank == 0:
+        if cfg.socket:
+            sender = Sender(
+                cfg.socket, hello=lambda: _hello(cfg, engine_ref[0].epoch if engine_ref else 0),
+                on_plan=inbox.put, queue_size=cfg.queue_size, heartbeat_seconds=cfg.heartbeat_seconds,
+                heartbeat=lambda: wire.Heartbeat(time=time.time(), epoch=engine_ref[0].epoch if engine_ref else 0,
+                                                 step=step_ref[0], frames_dropped=sender.stats.frames_dropped))
+            sinks.append(sender.send_window)
+        if cfg.windows_out:
+            sinks.append(lambda w: _append_line(cfg.windows_out, w.to_json()))
+        if cfg.return_windows:
+            sinks.append(lambda w: windows.append(w.to_dict()))
+    probe = build_probe(cfg, rank, world_size, device, sinks) if cfg.probe else None
+    engine = EPEngine(cfg, rank, world_size, device=device, probe=probe)
+    engine_ref.append(engine)
+    if probe is not None:
+        probe.set_placement(engine.epoch, engine.placement, engine.capacity)
+    controller = Controller(engine, probe=probe, inbox=inbox, ack=sender.send_control if sender else None,
+                            layers_per_step=cfg.migrate_layers_per_step, inject_failure=cfg.inject_migration_failure)
+    workload = Workload(cfg, rank)
+    scripted = sorted((int(step), plan) for step, plan in cfg.scripted_plans) if rank == 0 else []
+    if sender is not None:
+        sender.start()
+
+    step_seconds: list[float] = []
+    step_tokens: list[int] = []
+    started = time.perf_counter()
+    measured_from = None
+    step = 0
+    while True:
+        step_ref[0] = step
+        while scripted and scripted[0][0] <= step:
+            inbox.put(Plan.from_dict(scripted.pop(0)[1]))
+        stop = bool(cfg.steps and step >= cfg.steps) or stop_flag.requested or (
+            cfg.seconds is not None and time.perf_counter() - started >= cfg.seconds)
+        if controller.boundary(step, stop):
+            break
+        if step == cfg.warmup_steps:
+            measured_from = time.perf_counter()
+        batch = workload.batch(step)
+        x = input_batch(cfg.seed, step, rank, cfg.batch_tokens, cfg.hidden)
+        t0 = time.perf_counter()
+        if probe is not None:
+            probe.begin_step(batch.num_tokens)
+        engine.forward(x, batch.valid, batch.expert_ids)
+        if probe is not None:
+            probe.end_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_seconds.append(time.perf_counter() - t0)
+        step_tokens.append(batch.num_tokens)
+        step += 1
+    ended = time.perf_counter()
+    if probe is not None:
+        probe.flush()
+    sender_stats = asdict(sender.close()) if sender is not None else None
+    pairs = engine.pair_counts()
+    return {
+        "step_seconds": step_seconds, "step_tokens": step_tokens,
+        "measured_wall_s": ended - (measured_from if measured_from is not None else started),
+        "pairs": asdict(pairs), "epoch": engine.epoch, "placement": engine.placement.tolist(),
+        "capacity_factor": engine.capacity.tolist(),
+        "plans_applied": controller.applied, "plans_refused": controller.refused, "plans_failed": controller.failed,
+        "acks": [asdict(a) for a in controller.acks],
+        "windows_built": probe.windows_built if probe else 0,
+        "windows_invalid": probe.windows_invalid if probe else 0,
+        "sender": sender_stats, "windows": windows,
+    }
+
+
+def _hello(cfg: RuntimeConfig, epoch: int) -> wire.Hello:
+    return wire.Hello(runtime=RUNTIME_NAME, model=cfg.model_name, ep_group=cfg.ep_group, world_size=cfg.ranks,
+                      num_layers=cfg.layers, num_experts=cfg.experts, num_slots=cfg.num_slots, epoch=epoch,
+                      ranks_per_node=cfg.node_size, pid=os.getpid(), capabilities=("plan", "capacity"))
+
+
+def _append_line(path: str, line: str) -> None:
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(line + "\n")
+
+
+def result_json(result: RuntimeResult) -> str:
+    return json.dumps(result.summary(), allow_nan=False)
