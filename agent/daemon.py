@@ -25,7 +25,7 @@ from .actuators import make_actuator
 from .audit import AuditLog, jsonable
 from .config import AgentConfig
 from .controller import Controller
-from .exporters import MetricsState, init_static, make_registry, record_window, render
+from .exporters import MetricsState, init_group, init_jobs, init_static, make_registry, record_window, render
 from .health import Check, Health, SystemdNotifier, WebServer, health_body
 from .jobs import Jobs
 from .receiver import Connection, Receiver
@@ -88,6 +88,7 @@ class Daemon:
         self.jobs.add("export", self.export_job, cfg.export_interval_seconds)
         if self.notifier.watchdog_seconds:
             self.jobs.add("watchdog", self.watchdog_job, self.notifier.watchdog_seconds / 2, first_run_in=0)
+        init_jobs(self.metrics, [job.id for job in self.jobs.scheduler.get_jobs()])
         self.jobs.start()
         self.started_at = time.time()
         self.notifier.ready(f"serving {cfg.socket}, http {self.http_url}")
@@ -173,6 +174,7 @@ class Daemon:
         group = self.store.get_or_create(key)
         if group is None:
             return "too_many_groups"
+        init_group(self.metrics, key)
         with self._conn_lock:
             old = self._connections.get(key)
             self._connections[key] = conn

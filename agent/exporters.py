@@ -273,6 +273,26 @@ def init_static(state: MetricsState, mode: str) -> None:
     state.set("moewatch_agent_info", (__version__,), 1.0)
 
 
+ACTION_KINDS = ("replicate", "placement", "capacity", "batch", "rollback")
+ACTION_RESULTS = ("recommended", "applied", "skipped", "failed", "rolled_back")
+
+
+def init_group(state: MetricsState, group: tuple[str, str]) -> None:
+    """Counters a group's alerts take rate() of start at 0, so the first event is an increase."""
+    for kind in ACTION_KINDS:
+        for result in ACTION_RESULTS:
+            state.inc("moewatch_actions_total", (*group, kind, result), 0)
+    for name in ("moewatch_rollbacks_total", "moewatch_runtime_frames_dropped_total", "moewatch_windows_total",
+                 "moewatch_tokens_total"):
+        state.inc(name, group, 0)
+
+
+def init_jobs(state: MetricsState, jobs: list[str]) -> None:
+    for job in jobs:
+        state.inc("moewatch_job_errors_total", (job,), 0)
+        state.inc("moewatch_job_misfires_total", (job,), 0)
+
+
 def family_names(exposition: str) -> set[str]:
     """Metric family names declared (# TYPE) in a text exposition."""
     return {line.split()[2] for line in exposition.splitlines() if line.startswith("# TYPE ")}

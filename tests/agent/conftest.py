@@ -155,6 +155,12 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: flo
     return predicate()
 
 
+def wait_group(daemon, key=("m", "g"), timeout: float = 10.0):
+    """The daemon's store for a group, once its hello has been handled."""
+    assert wait_for(lambda: daemon.store.get(key) is not None, timeout), f"no hello from {key}"
+    return daemon.store.get(key)
+
+
 def scrape(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
         return resp.read().decode()
@@ -177,7 +183,7 @@ def helpers():
     import types
 
     return types.SimpleNamespace(make_window=make_window, hot_load=hot_load, contiguous=contiguous,
-                                 FakeRuntime=FakeRuntime, wait_for=wait_for, scrape=scrape,
+                                 FakeRuntime=FakeRuntime, wait_for=wait_for, wait_group=wait_group, scrape=scrape,
                                  sample_value=sample_value)
 
 

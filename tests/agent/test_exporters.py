@@ -1,0 +1,95 @@
+"""/metrics against the catalogue (every family, nothing else), promtool lint, per-expert cap, OTel."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from moewatch.agent.catalog import METRICS, exposed_names
+from moewatch.agent.exporters import HistogramValue, family_names, sample_names
+from moewatch.agent.otel import instrument_name
+from moewatch.examples import SCENARIOS, simulate
+
+PROMTOOL = "/usr/bin/promtool"
+
+
+def drive(daemon, helpers, n_windows=3):
+    """Windows of every verdict's scenario into one group, plus a rejected frame and a heartbeat."""
+    from moewatch import wire
+
+    rt = helpers.FakeRuntime(daemon.cfg.socket, world_size=4, num_layers=4, num_experts=16, num_slots=16,
+                             model="example", ep_group="example").connect()
+    group = helpers.wait_group(daemon, ("example", "example"))
+    names = ["imbalance-hot-experts", "comm-bound-volume", "overflow"][:n_windows]
+    for i, name in enumerate(names):
+        w = simulate(SCENARIOS[name], seed=i, start_time=1000.0 + 100 * i).replace(model="example")
+        rt.send(w)
+    rt.send(wire.Heartbeat(time=1.0, epoch=0, step=1, frames_dropped=1))
+    rt.send_raw(b"MW\x01\x05\x02\x00\x00\x00{]")
+    assert helpers.wait_for(lambda: len(group.history) == len(names))
+    return rt
+
+
+def test_live_metrics_match_the_catalogue_and_pass_promtool(start_agent, helpers):
+    daemon = start_agent(expert_metrics=True, expert_series_cap=20)
+    drive(daemon, helpers)
+    assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_frames_rejected_total", ("malformed",)) == 1)
+    text = helpers.scrape(daemon.http_url)
+    assert family_names(text) == {m.name for m in METRICS}
+    assert set(sample_names(text)) <= exposed_names()
+    # Every family carries samples in this run (the per-expert ones because they are enabled).
+    missing = {m.name for m in METRICS} - {n.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+                                           for n in sample_names(text)}
+    assert missing == set(), missing
+    lint = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    assert lint.stdout.strip() == "" and lint.stderr.strip() == ""
+    # The cap: 4 layers x 16 experts = 64 series, 20 exported, 44 counted as left out.
+    assert text.count("moewatch_expert_pairs_total{") == 20
+    assert helpers.sample_value(text, "moewatch_expert_series_dropped", model="example") == 44
+    # No _created series, nothing of the default registry.
+    assert "_created" not in text and "python_gc" not in text and "process_" not in text
+    # Per-layer verdict: the layer had three verdicts; only the latest is 1.
+    verdict_lines = [ln for ln in text.splitlines() if ln.startswith('moewatch_layer_verdict{') and 'layer="0"' in ln]
+    assert sum(float(ln.rsplit(" ", 1)[1]) for ln in verdict_lines) == 1
+    assert len(verdict_lines) >= 2
+    assert helpers.sample_value(text, "moewatch_agent_mode", mode="observe") == 1
+    assert helpers.sample_value(text, "moewatch_windows_total", model="example") == 3
+
+
+def test_expert_metrics_off_by_default(start_agent, helpers):
+    daemon = start_agent()
+    drive(daemon, helpers, 1)
+    text = helpers.scrape(daemon.http_url)
+    assert "moewatch_expert_pairs_total{" not in text
+    assert "# TYPE moewatch_expert_pairs_total counter" in text
+
+
+def test_histogram_buckets_are_upper_inclusive():
+    h = HistogramValue((1.0, 2.0))
+    h.observe(np.array([0.5, 1.0, 1.5, 2.0, 3.0, np.nan]))
+    assert h.cumulative() == [("1.0", 2.0), ("2.0", 4.0), ("+Inf", 5.0)]
+    assert h.count == 5 and h.total == 8.0
+
+
+def test_opentelemetry_carries_the_same_quantities(start_agent, helpers):
+    reader = InMemoryMetricReader()
+    daemon = start_agent(otel_readers=[reader])
+    drive(daemon, helpers, 3)
+    data = reader.get_metrics_data()
+    points = {}
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                points[metric.name] = metric
+    expected = {instrument_name(m) for m in METRICS if not m.name.startswith("moewatch_expert_")}
+    assert expected <= set(points), expected - set(points)
+    # Same numbers: the balancedness of layer 0 as Prometheus sees it.
+    prom = daemon.metrics.get("moewatch_layer_balancedness_ratio", ("example", "example", "0"))
+    otel = [p.value for p in points["moewatch_layer_balancedness_ratio"].data.data_points
+            if p.attributes["layer"] == "0"]
+    assert otel == [prom]
+    hist = points["moewatch_layer_expert_load_share"].data.data_points
+    assert sum(p.count for p in hist) == 3 * 4 * 16  # one observation per expert per layer per window
