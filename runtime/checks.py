@@ -172,3 +172,13 @@ def live_plans(rank: int, world_size: int, cfg: RuntimeConfig, new_map: list, fa
     return {"rank": rank, "old_map": old_map, "before": before, "after": after, "after_failure": still,
             "moved": moved, "stale": stale, "failed": failed,
             "acks": [a.__dict__ for a in controller.acks]}
+
+
+def suite(rank: int, world_size: int, cfg: RuntimeConfig, modes: dict[str, dict], probe_cfg: RuntimeConfig,
+          probe_steps: int, new_map: list, fail_map: list) -> dict | None:
+    """All three checks in one spawned group (process start-up is the expensive part)."""
+    out = {"reference": reference_modes(rank, world_size, cfg, modes),
+           "probe": probe_counts(rank, world_size, probe_cfg, probe_steps)}
+    live = live_plans(rank, world_size, cfg, new_map, fail_map)
+    out["live"] = _gather(live, world_size)
+    return out if rank == 0 else None
