@@ -337,7 +337,7 @@ class Probe:
             self._target_steps = cap
             return
         pace = steps / wall_seconds if wall_seconds > 0 else float(steps)
-        target = max(1, int(math.floor(self.cfg.window_seconds * pace)))
+        target = max(1, int(math.floor(round(self.cfg.window_seconds * pace, 6))))
         self._target_steps = min(target, cap) if cap else target
 
     def _reset(self) -> None:

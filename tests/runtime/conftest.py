@@ -81,3 +81,101 @@ def naive_dispatch_counts(assigned, pmap_row, world_size, ranks_per_node, rank):
 @pytest.fixture(scope="session")
 def naive():
     return types.SimpleNamespace(capacity=naive_capacity, slot=naive_slot, dispatch_counts=naive_dispatch_counts)
+
+
+class FakeAgent:
+    """A unix-socket server speaking moewatch.wire, standing in for the agent.
+
+    Records every message with the index of its connection; `react(message, agent)` may answer.
+    """
+
+    def __init__(self, path, react=None):
+        import socket
+        import threading
+
+        self.path = str(path)
+        self.react = react
+        self.messages = []  # (connection index, message)
+        self.errors = []
+        self.connections = 0
+        self._conn = None
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(self.path)
+        self._server.listen(4)
+        self._server.settimeout(0.1)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        import socket
+
+        from moewatch import wire
+
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except (socket.timeout, OSError):
+                continue
+            index = self.connections
+            self.connections += 1
+            self._conn = conn
+            conn.settimeout(0.1)
+            decoder = wire.FrameDecoder()
+            while not self._stop.is_set():
+                try:
+                    data = conn.recv(1 << 16)
+                except socket.timeout:
+                    continue
+                except OSError:
+                    break
+                if not data:
+                    break
+                for item in decoder.feed(data):
+                    if isinstance(item, wire.FrameError):
+                        self.errors.append(item)
+                        continue
+                    with self._lock:
+                        self.messages.append((index, item))
+                    if self.react is not None:
+                        self.react(item, self)
+            conn.close()
+
+    def send(self, message):
+        from moewatch import wire
+
+        self._conn.sendall(wire.encode(message))
+
+    def of_type(self, cls):
+        with self._lock:
+            return [m for _, m in self.messages if isinstance(m, cls)]
+
+    def drop_connection(self):
+        """Close the current connection (the runtime should reconnect)."""
+        import socket
+
+        if self._conn is not None:
+            try:
+                self._conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(2)
+        self._server.close()
+
+
+@pytest.fixture
+def fake_agent(tmp_path):
+    agents = []
+
+    def start(react=None, name="agent.sock"):
+        agent = FakeAgent(tmp_path / name, react)
+        agents.append(agent)
+        return agent
+
+    yield start
+    for agent in agents:
+        agent.close()
