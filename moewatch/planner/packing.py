@@ -23,7 +23,7 @@ _SWAP_BLOCK_ELEMENTS = 1 << 21
 # A swap must lower the busiest GPU of its pair by more than this share of its load.
 _TOL = 1e-9
 # A layer whose busiest GPU is within this share of the lower bound is left as it is.
-_GAP = 5e-4
+_GAP = 1e-3
 # How many pairings of busy with idle GPUs to try before the one-swap-at-a-time rounds.
 _PAIR_OFFSETS = 1
 
@@ -60,51 +60,61 @@ def lpt_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int, num_nodes: int
     rows = np.arange(L)
     items, weights = replicas_in_order(load, counts)
     total = load.sum(axis=1)
-    # key[l, g] = GPU load scaled into [0, 1) + 4 when full; penalty[l, e, g] = 2 when GPU g holds
-    # e + 1 when its node does. The integer flags dominate the scaled load: a lexicographic order.
+    # key[l, g] = GPU load scaled into [0, 1) + 4 when full; + 2 when the GPU holds the expert and
+    # + 1 when its node does. The integer flags dominate the scaled load: a lexicographic order.
+    # Flat arrays and row gathers: this loop runs P times, so each numpy call counts.
     scaled = (weights / (total * (1.0 + 1e-9) + 1.0)[:, None]).T.copy()  # [P, L]
-    items_t = items.T.copy()
-    key = np.zeros((L, W))
-    fill = np.zeros((L, W), dtype=np.int64)
-    penalty = np.zeros((L, E, W))
+    expert_rows = (items + (rows * E)[:, None]).T.copy()  # [P, L] row of (layer, expert)
+    key = np.zeros(L * W)
+    fill = np.zeros(L * W, dtype=np.int64)
+    on_gpu = np.zeros((L * E, W))
+    on_node = np.zeros((L * E, num_nodes))
+    node_of_gpu = np.arange(W) // G
+    row_start = rows * W
     gpu_of_item = np.empty((P, L), dtype=np.int64)
-    gpus_of_node = np.arange(W).reshape(num_nodes, G)
     for k in range(P):
-        expert = items_t[k]
-        pen = penalty[rows, expert]  # [L, W]
-        gpu = np.argmin(key + pen, axis=1)
-        gpu_of_item[k] = gpu
-        filled = fill[rows, gpu] + 1
-        fill[rows, gpu] = filled
-        key[rows, gpu] += scaled[k] + 4.0 * (filled == S)
+        le = expert_rows[k]
+        pen = on_gpu.take(le, axis=0)
         if num_nodes > 1:
-            new_node = pen[rows, gpu] < 1.0  # its node did not hold the expert yet
-            r = rows[new_node]
-            penalty[r[:, None], expert[new_node][:, None], gpus_of_node[gpu[new_node] // G]] += 1.0
-        penalty[rows, expert, gpu] += 2.0
+            pen += on_node.take(le, axis=0)[:, node_of_gpu]
+        gpu = np.argmin(key.reshape(L, W) + pen, axis=1)
+        gpu_of_item[k] = gpu
+        at = row_start + gpu
+        filled = fill[at] + 1
+        fill[at] = filled
+        key[at] += scaled[k] + 4.0 * (filled == S)
+        on_gpu.ravel()[le * W + gpu] = 2.0
+        if num_nodes > 1:
+            on_node.ravel()[le * num_nodes + node_of_gpu[gpu]] = 1.0
     # Each GPU's S replicas fill its slots in the order they arrived.
     order = np.argsort(gpu_of_item.T, axis=1, kind="stable")
     return np.take_along_axis(items, order, axis=1)
 
 
 def refine_by_swaps(load: np.ndarray, pmap: np.ndarray, num_gpus: int, num_nodes: int = 1,
-                    max_rounds: int = 400, layers: np.ndarray | None = None) -> np.ndarray:
+                    max_rounds: int = 400, layers: np.ndarray | None = None,
+                    target_max: np.ndarray | None = None, pairs: bool = True) -> np.ndarray:
     """[L, E] load, [L, P] placement -> [L, P] placement with the same replica counts and a busiest
-    GPU no heavier (usually lighter). Only `layers` (indices) are touched when given.
+    GPU no heavier (usually lighter).
 
-    First rounds pair the i-th busiest GPU with the i-th idlest and make the best swap in every
-    pair at once (cheap, moves most of the way); then rounds make the best swap off the busiest GPU
-    alone, with any other GPU, until none helps.
+    First rounds (when `pairs`) pair the i-th busiest GPU with the i-th idlest and make the best
+    swap in every pair at once (cheap, moves most of the way); then rounds make the best swap off
+    the busiest GPU alone, with any other GPU, until none helps. Only `layers` (indices) are
+    touched when given. A layer is finished once its busiest GPU is within 0.1 % of the lower
+    bound max(mean GPU load, heaviest replica), or at or under `target_max` [L] when given (the
+    movement planner stops there: every swap costs two expert moves).
     """
     load = np.asarray(load, dtype=np.float64)
     pmap = np.array(pmap, dtype=np.int64, copy=True)
     if num_gpus < 2:
         return pmap
     state = _SwapState(load, pmap, num_gpus, num_nodes)
+    if target_max is not None:
+        state.bound = np.asarray(target_max, dtype=np.float64)
     active = np.arange(load.shape[0]) if layers is None else np.asarray(layers, dtype=np.int64)
     rounds = 0
     # Pairings: the i-th busiest GPU with the (i + offset)-th idlest; a new offset when one stalls.
-    for offset in range(min(_PAIR_OFFSETS, num_gpus // 2)):
+    for offset in range(min(_PAIR_OFFSETS, num_gpus // 2) if pairs else 0):
         pair_active = state.unfinished(active)
         while pair_active.size and rounds < max_rounds:
             pair_active = state.pair_round(pair_active, offset)

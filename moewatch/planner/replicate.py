@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_BISECTION_STEPS = 48
+_BISECTION_STEPS = 32
 
 
 def replica_counts(load: np.ndarray, num_slots: int) -> np.ndarray:

@@ -61,14 +61,16 @@ def drifted(probabilities: np.ndarray, rng: np.random.Generator, sigma: float = 
 
 
 def affinity_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: int, num_topics: int,
-                   stickiness: float = 0.7, skew: float = 0.5, seed: int = 0) -> np.ndarray:
+                   stickiness: float = 0.7, skew: float = 0.5, seed: int = 0,
+                   with_topics: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """[T, L, k] int64 expert ids per token and layer, with a planted inter-layer affinity.
 
     Each token has a topic z; at every layer each of its k choices comes, with probability
     `stickiness`, from topic z's E / num_topics experts of that layer (a random partition of the
     experts, different per layer) and otherwise from all experts; within a set, experts are picked
     by a lognormal(0, skew) popularity, so loads are uneven and balance still matters. The k
-    choices of one token and layer are distinct.
+    choices of one token and layer are distinct. with_topics=True also returns the planted
+    partition, [L, Z, E / Z] expert ids of each topic per layer.
     """
     rng = np.random.default_rng(seed)
     T, L, E, k = num_tokens, num_layers, num_experts, top_k
@@ -88,4 +90,4 @@ def affinity_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: in
         np.put_along_axis(in_topic, own, np.log(stickiness * own_w / own_w.sum(axis=1, keepdims=True)), axis=1)
         score = np.logaddexp(score, in_topic) + rng.gumbel(size=(T, E))
         trace[:, layer, :] = np.argsort(-score, axis=1)[:, :k]
-    return trace
+    return (trace, members) if with_topics else trace

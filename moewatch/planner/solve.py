@@ -1,0 +1,194 @@
+"""The planner's entry point: one call from a load to a placement and what it is worth.
+
+`solve_placement` picks the method from what it is given:
+- load only: balanced (replicas by water-filling, LPT packing, swaps), topology-aware with nodes;
+- with `current`: the fewest expert moves whose balancedness is within `tolerance` of the
+  balanced plan (movement.py);
+- with `affinity` (transition counts): pairs between consecutive layers kept on a GPU under
+  `balancedness_floor` (affinity.py); with `current` too, GPUs are renamed (all layers alike) to
+  move as little as that allows.
+Decisions only: nothing here touches a runtime.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..plan import PlanError, check_placement
+from .affinity import affinity_placement
+from .metrics import (PlacementShapeError, balancedness, check_sizes, contiguous_placement,
+                      dispatch_cross_shares, experts_moved, transition_cross_shares)
+from .movement import align_to_current, minimal_movement
+from .packing import pack
+from .replicate import replica_counts
+
+
+@dataclass(frozen=True)
+class PlacementResult:
+    """A solved placement and its figures; "before" is the placement in force, or the runtimes'
+    contiguous default (slot s holds expert s mod E) when none was given."""
+
+    physical_to_logical_map: np.ndarray  # [L, P]
+    method: str  # "balanced", "movement" or "affinity"
+    num_gpus: int
+    num_nodes: int
+    balancedness_before: np.ndarray  # [L]
+    balancedness_after: np.ndarray  # [L]
+    experts_moved: np.ndarray  # [L] slots whose expert changes
+    bytes_moved: float | None  # experts moved x expert_bytes, when expert_bytes was given
+    cross_gpu_share_before: np.ndarray  # [L] pairs leaving their rank (dispatch)
+    cross_gpu_share_after: np.ndarray
+    cross_node_share_before: np.ndarray  # [L] pairs leaving their node (dispatch)
+    cross_node_share_after: np.ndarray
+    transition_cross_gpu_before: float | None  # consecutive-layer pairs across GPUs (affinity)
+    transition_cross_gpu_after: float | None
+    transition_cross_node_before: float | None
+    transition_cross_node_after: float | None
+    solve_seconds: float
+    layer_methods: tuple[str, ...] | None = None  # movement: "kept", "repaired" or "renamed"
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready figures: layer means, plus the worst layer's balancedness."""
+        out: dict[str, Any] = {
+            "method": self.method,
+            "solve_seconds": self.solve_seconds,
+            "num_layers": int(self.physical_to_logical_map.shape[0]),
+            "num_slots": int(self.physical_to_logical_map.shape[1]),
+            "num_gpus": self.num_gpus,
+            "num_nodes": self.num_nodes,
+            "balancedness_before": float(self.balancedness_before.mean()),
+            "balancedness_after": float(self.balancedness_after.mean()),
+            "balancedness_after_min": float(self.balancedness_after.min()),
+            "experts_moved": int(self.experts_moved.sum()),
+            "bytes_moved": self.bytes_moved,
+            "layers_changed": int((self.experts_moved > 0).sum()),
+            "cross_gpu_share_before": float(self.cross_gpu_share_before.mean()),
+            "cross_gpu_share_after": float(self.cross_gpu_share_after.mean()),
+            "cross_node_share_before": float(self.cross_node_share_before.mean()),
+            "cross_node_share_after": float(self.cross_node_share_after.mean()),
+        }
+        if self.transition_cross_gpu_after is not None:
+            out.update(
+                transition_cross_gpu_share_before=self.transition_cross_gpu_before,
+                transition_cross_gpu_share_after=self.transition_cross_gpu_after,
+                transition_cross_node_share_before=self.transition_cross_node_before,
+                transition_cross_node_share_after=self.transition_cross_node_after,
+            )
+        if self.layer_methods is not None:
+            out["layer_methods"] = {name: self.layer_methods.count(name) for name in ("kept", "repaired", "renamed")}
+        return out
+
+
+def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_nodes: int = 1,
+                    current: Any = None, affinity: Any = None, balancedness_floor: float = 0.95,
+                    expert_bytes: float | None = None, tolerance: float = 0.005) -> PlacementResult:
+    """[L, E] pairs per expert -> PlacementResult with physical_to_logical_map [L, P].
+
+    num_slots defaults to the current plan's P, else E rounded up to a multiple of num_gpus (no
+    extra memory). current: [L, P] placement in force. affinity: [L-1, E, E] transition counts
+    (affinity.transitions_from_trace turns a [T, L, k] trace into them). Raises
+    PlacementShapeError naming the argument at fault.
+    """
+    load_arr = _load_matrix(load)
+    L, E = load_arr.shape
+    W, N = int(num_gpus), int(num_nodes)
+    current_arr = None if current is None else _placement(current, L, E)
+    if num_slots is None:
+        num_slots = current_arr.shape[1] if current_arr is not None else -(-E // max(W, 1)) * max(W, 1)
+    P = int(num_slots)
+    check_sizes(E, P, W, N)
+    if current_arr is not None and current_arr.shape[1] != P:
+        raise PlacementShapeError("current", f"{current_arr.shape[1]} slots, but {P} asked for")
+    transitions = None if affinity is None else _transitions(affinity, L, E)
+    if not 0.0 < balancedness_floor <= 1.0:
+        raise PlacementShapeError("balancedness_floor", f"must be in (0, 1], got {balancedness_floor}")
+    if not 0.0 <= tolerance < 1.0:
+        raise PlacementShapeError("tolerance", f"must be in [0, 1), got {tolerance}")
+
+    started = time.perf_counter()
+    scratch = pack(load_arr, replica_counts(load_arr, P), W, N)
+    layer_methods = None
+    if transitions is not None:
+        method = "affinity"
+        pmap = affinity_placement(load_arr, transitions, scratch, W, N, balancedness_floor)
+        if current_arr is not None:
+            pmap = align_to_current(pmap, current_arr, W, N, per_layer=False)
+    elif current_arr is not None:
+        method = "movement"
+        pmap, facts = minimal_movement(load_arr, current_arr, scratch, W, N, tolerance)
+        layer_methods = tuple(facts["how"])
+    else:
+        method = "balanced"
+        pmap = scratch
+    solve_seconds = time.perf_counter() - started
+
+    before = current_arr if current_arr is not None else contiguous_placement(L, E, P)
+    gpu_before, node_before = dispatch_cross_shares(load_arr, before, W, N)
+    gpu_after, node_after = dispatch_cross_shares(load_arr, pmap, W, N)
+    moved = experts_moved(before, pmap)
+    trans_before = trans_after = (None, None)
+    if transitions is not None:
+        trans_before = transition_cross_shares(transitions, before, W, N)
+        trans_after = transition_cross_shares(transitions, pmap, W, N)
+    return PlacementResult(
+        physical_to_logical_map=pmap,
+        method=method,
+        num_gpus=W,
+        num_nodes=N,
+        balancedness_before=balancedness(load_arr, before, W),
+        balancedness_after=balancedness(load_arr, pmap, W),
+        experts_moved=moved,
+        bytes_moved=None if expert_bytes is None else float(moved.sum()) * float(expert_bytes),
+        cross_gpu_share_before=gpu_before,
+        cross_gpu_share_after=gpu_after,
+        cross_node_share_before=node_before,
+        cross_node_share_after=node_after,
+        transition_cross_gpu_before=trans_before[0],
+        transition_cross_gpu_after=trans_after[0],
+        transition_cross_node_before=trans_before[1],
+        transition_cross_node_after=trans_after[1],
+        solve_seconds=solve_seconds,
+        layer_methods=layer_methods,
+    )
+
+
+def _load_matrix(load: Any) -> np.ndarray:
+    try:
+        arr = np.asarray(load, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise PlacementShapeError("load", "expected a numeric [layers][experts] matrix") from None
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
+        raise PlacementShapeError("load", f"expected a non-empty [layers][experts] matrix, got shape {list(arr.shape)}")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise PlacementShapeError("load", "counts must be finite and >= 0")
+    return arr
+
+
+def _placement(current: Any, num_layers: int, num_experts: int) -> np.ndarray:
+    try:
+        arr = np.asarray(current)
+    except ValueError:
+        raise PlacementShapeError("current", "ragged nested list") from None
+    if arr.ndim != 2 or arr.shape[0] != num_layers or arr.dtype.kind not in "iu":
+        raise PlacementShapeError("current", f"expected an integer [{num_layers}][slots] map, got shape "
+                                             f"{list(arr.shape)} ({arr.dtype})")
+    arr = arr.astype(np.int64)
+    try:
+        check_placement(arr, num_experts)
+    except PlanError as exc:
+        raise PlacementShapeError("current", str(exc)) from None
+    return arr
+
+
+def _transitions(affinity: Any, num_layers: int, num_experts: int) -> np.ndarray:
+    arr = np.asarray(affinity, dtype=np.float64)
+    if arr.shape != (max(num_layers - 1, 0), num_experts, num_experts):
+        raise PlacementShapeError("affinity", f"expected transitions [{num_layers - 1}, {num_experts}, "
+                                              f"{num_experts}], got {list(arr.shape)}")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise PlacementShapeError("affinity", "counts must be finite and >= 0")
+    return arr
