@@ -80,6 +80,8 @@ class AgentConfig:
                                 kind=float, lo=1, hi=7 * 86_400)
     gain_margin: float = _f(1.0, "the gain over the horizon must exceed the predicted stall times this",
                             kind=float, lo=0, hi=1000)
+    min_balancedness_gain: float = _f(0.02, "a placement change must raise the layer's model balancedness by at "
+                                            "least this", kind=float, lo=0, hi=1)
     cooldown_seconds: float = _f(300.0, "after a change, a layer is left alone this long", kind=float,
                                  lo=0, hi=7 * 86_400)
     max_plans_per_hour: int = _f(6, "global rate limit on plans sent (rollbacks excepted)", kind=int,

@@ -57,6 +57,7 @@ class GroupControl:
     recent: deque = field(default_factory=lambda: deque(maxlen=50))  # recent audit entries, for /status
     plans_applied: int = 0
     rollbacks: int = 0
+    stall_per_slot: float | None = None  # from the Acks, a moving average
 
 
 class Controller:
@@ -109,7 +110,7 @@ class Controller:
                 num_gpus=hello.world_size, num_nodes=_num_nodes(hello), num_experts=hello.num_experts,
                 num_slots=hello.num_slots, capabilities=frozenset(hello.capabilities),
                 windows=group.recent(epoch=group.epoch_in_force), last_change=dict(ctl.last_change),
-                plan_times=tuple(ctl.plan_times))
+                plan_times=tuple(ctl.plan_times), observed_stall_per_slot=ctl.stall_per_slot)
             proposal = policy.decide(view, self.cfg, now)
             for d in proposal.decisions:
                 if d.result in ("skipped", "recommended"):
@@ -141,16 +142,8 @@ class Controller:
             changed = tuple(int(x) for x in np.flatnonzero((new_map != old_map).any(axis=1)
                                                            | (np.asarray(capacity_factor) != old_cap)))
             windows = group.recent(epoch=group.epoch_in_force)[-self.cfg.persist_windows:] or [latest]
-            load = policy.computed_load(windows)
-            from moewatch.planner import metrics as pm
-            model_old = pm.balancedness(load, old_map, latest.window.world_size)
-            baseline = {}
-            for layer in changed:
-                measured = float(np.mean([t.diagnosis.layers[layer].metrics["balancedness"] for t in windows]))
-                seconds = float(np.mean([t.diagnosis.layers[layer].metrics["layer_seconds_per_step"] for t in windows]))
-                baseline[layer] = policy.LayerBaseline(
-                    layer, measured, seconds, policy.seconds_per_bottleneck_pair(windows, layer),
-                    measured - float(model_old[layer]), old_map[layer].copy(), float(old_cap[layer]))
+            baseline = {layer: policy.make_baseline(windows, layer, old_map[layer], float(old_cap[layer]),
+                                                    latest.window.world_size) for layer in changed}
             decision = policy.Decision(kind, changed, "proposed", reason)
             self._record(group, "decision", epoch_in_force=group.epoch_in_force, **decision.to_dict())
             return self._send(group, ctl, new_map, np.asarray(capacity_factor, dtype=np.float64), reason,
@@ -208,6 +201,12 @@ class Controller:
             for layer in flight.changed_layers:
                 ctl.last_change[layer] = now
             ctl.plans_applied += 1
+            moved = sum(int(d.after.get("slots_moved", 0)) for d in flight.decisions)
+            if moved == 0:
+                moved = int((flight.plan.physical_to_logical_map != flight.previous_map).sum())
+            if moved > 0 and ack.stall_seconds > 0:
+                observed = ack.stall_seconds / moved
+                ctl.stall_per_slot = observed if ctl.stall_per_slot is None else 0.5 * (ctl.stall_per_slot + observed)
             if flight.rollback_of is not None:
                 ctl.rollbacks += 1
                 self._count(group, "rollback", "applied")
@@ -285,6 +284,7 @@ class Controller:
                         "rollback_of": f.rollback_of}
             return {"in_flight": brief(ctl.in_flight), "verifying": brief(ctl.verifying),
                     "plans_applied": ctl.plans_applied, "rollbacks": ctl.rollbacks,
+                    "observed_stall_per_slot_seconds": ctl.stall_per_slot,
                     "layers_in_cooldown": sorted(layer for layer, t in ctl.last_change.items()
                                                  if self.clock() - t < self.cfg.cooldown_seconds),
                     "recent": list(ctl.recent)[-20:]}

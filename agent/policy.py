@@ -9,8 +9,9 @@
 3. cooldown: a layer changed less than `cooldown_seconds` ago is left alone;
 4. the planner proposes (replica counts within the runtime's fixed slots and `max_replicas_per_expert`,
    packed onto GPUs, aligned to the current placement so as few slots as possible change);
-5. the cost gate: predicted seconds saved over `horizon_seconds` against the predicted migration stall
-   of the slots that change; what does not pay is skipped;
+5. the cost gate: the model's balancedness must rise by `min_balancedness_gain`, and the predicted
+   seconds saved over `horizon_seconds` must beat the predicted migration stall of the slots that
+   change (the larger of the cost model's and what the runtime's Acks reported per slot moved);
 6. capacity factor within [capacity_factor_min, capacity_factor_max]; lossy caps only when allowed;
 7. the global rate limit on plans per hour.
 Whatever passes is folded into one whole Plan (every layer's map and capacity factor), the rest is
@@ -55,7 +56,8 @@ class LayerBaseline:
     layer: int
     balancedness: float  # measured, mean over the windows the decision used
     layer_seconds: float  # measured per-step layer time (slowest rank), mean
-    seconds_per_bottleneck_pair: float  # layer_seconds over the busiest rank's pairs per step
+    compute_seconds: float  # measured per-step expert compute of the slowest rank, mean
+    model_max_gpu_load: float  # the model's busiest-GPU pairs per step for the old map on that load
     model_bias: float  # measured minus model balancedness of the old placement on the same load
     old_map: np.ndarray  # [P] the layer's placement before
     old_capacity: float
@@ -87,6 +89,9 @@ class GroupView:
     windows: Sequence[TriagedWindow]  # of the epoch in force, oldest first
     last_change: dict[int, float] = field(default_factory=dict)  # layer -> time of its last change
     plan_times: Sequence[float] = ()  # times plans were sent (rate limit)
+    # Stall per moved slot the runtime reported in its Acks (None until one arrives): the cost gate
+    # takes the larger of this and the model's figure, so a model that flatters migration is corrected.
+    observed_stall_per_slot: float | None = None
 
 
 # --- evidence ----------------------------------------------------------------------------------------
@@ -126,13 +131,16 @@ def steps_per_second(windows: Sequence[TriagedWindow]) -> float:
     return steps / seconds if seconds > 0 else 0.0
 
 
-def seconds_per_bottleneck_pair(windows: Sequence[TriagedWindow], layer: int) -> float:
-    """Per-step layer time over the busiest rank's pairs per step, both averaged over the windows:
-    the layer's speed with the load's size taken out, so a shift in traffic does not move it."""
-    seconds = _mean_metric(windows, layer, "layer_seconds_per_step")
-    busiest = np.mean([max(t.diagnosis.layers[layer].metrics["rank_load"]) / max(t.window.steps, 1)
-                       for t in windows])
-    return seconds / busiest if busiest > 0 and math.isfinite(seconds) else float("nan")
+def make_baseline(windows: Sequence[TriagedWindow], layer: int, old_map: np.ndarray, old_capacity: float,
+                  num_gpus: int) -> LayerBaseline:
+    """A layer's state before a change, from the windows the decision used. old_map: [P]."""
+    load = computed_load(windows)[layer:layer + 1]
+    measured = _mean_metric(windows, layer, "balancedness")
+    model = float(pm.balancedness(load, old_map[None, :], num_gpus)[0])
+    busiest = float(pm.gpu_load(load, old_map[None, :], num_gpus).max())
+    return LayerBaseline(layer, measured, _mean_metric(windows, layer, "layer_seconds_per_step"),
+                         _mean_metric(windows, layer, "compute_seconds_per_step"), busiest, measured - model,
+                         np.array(old_map), float(old_capacity))
 
 
 def _mean_metric(windows: Sequence[TriagedWindow], layer: int, key: str) -> float:
@@ -303,12 +311,17 @@ def decide(view: GroupView, cfg, now: float) -> Proposal:
         for layer, triage_kind in placement_layers.items():
             kind = "replicate" if not np.array_equal(counts_before[layer], counts_after[layer]) else "placement"
             seconds = _mean_metric(evidence, layer, "layer_seconds_per_step")
+            compute = _mean_metric(evidence, layer, "compute_seconds_per_step")
             measured = _mean_metric(evidence, layer, "balancedness")
             ratio = gpu_after[layer] / gpu_before[layer] if gpu_before[layer] > 0 else 1.0
-            saved_per_step = max(0.0, seconds * (1.0 - ratio)) if math.isfinite(seconds) else 0.0
+            # Every rank waits for the busiest one, so the slowest rank's expert compute scales with
+            # the busiest GPU's load; the rest of the layer (fixed collective cost) does not.
+            saved_per_step = max(0.0, compute * (1.0 - ratio)) if math.isfinite(compute) else 0.0
             gain = saved_per_step * rate * cfg.horizon_seconds
             stall = migration_stall_seconds(int(moved[layer]), cfg.expert_bytes,
                                             cfg.migration_bandwidth_bytes_per_second)
+            if view.observed_stall_per_slot is not None:
+                stall = max(stall, view.observed_stall_per_slot * int(moved[layer]))
             hot = latest.diagnosis.layers[layer].metrics["hot_experts"]
             before = {"balancedness": round(measured, 4), "model_balancedness": round(float(model_before[layer]), 4),
                       "layer_seconds_per_step": seconds, "max_gpu_pairs_per_step": round(float(gpu_before[layer]), 2),
@@ -320,8 +333,8 @@ def decide(view: GroupView, cfg, now: float) -> Proposal:
                      "replicas": {int(e): int(counts_after[layer, e]) for e in hot},
                      "slots_moved": int(moved[layer]), "predicted_stall_seconds": stall,
                      "predicted_gain_seconds": gain, "horizon_seconds": cfg.horizon_seconds}
-            if moved[layer] == 0 or model_after[layer] <= model_before[layer] + 1e-9:
-                skip(kind, [layer], f"the planner finds no better placement for layer {layer} "
+            if moved[layer] == 0 or model_after[layer] < model_before[layer] + cfg.min_balancedness_gain:
+                skip(kind, [layer], f"the planner finds no placement better by {cfg.min_balancedness_gain:g} "
                      f"(model balancedness {model_before[layer]:.3f} -> {model_after[layer]:.3f})", before, after)
                 continue
             if gain <= cfg.gain_margin * stall:
@@ -367,11 +380,8 @@ def decide(view: GroupView, cfg, now: float) -> Proposal:
     result = "recommended" if cfg.mode == "recommend" else "proposed"
     decisions.extend(Decision(d.kind, d.layers, result, d.reason, d.before, d.after) for d in pending)
     for layer in accepted:
-        measured = _mean_metric(evidence, layer, "balancedness")
-        baseline[layer] = LayerBaseline(
-            layer, measured, _mean_metric(evidence, layer, "layer_seconds_per_step"),
-            seconds_per_bottleneck_pair(evidence, layer), measured - float(model_before[layer]),
-            current_map[layer].copy(), float(current_cap[layer]))
+        baseline[layer] = make_baseline(evidence, layer, current_map[layer], float(current_cap[layer]),
+                                        view.num_gpus)
     summary = "; ".join(f"layer {layer}: {kind}" for layer, kind in sorted(accepted.items()))
     return Proposal(decisions, new_map, new_cap, tuple(sorted(accepted)), baseline, summary)
 
@@ -393,8 +403,9 @@ def verify(baseline: dict[int, LayerBaseline], windows: Sequence[TriagedWindow],
     - its measured balancedness is below what its old placement would give on the same traffic
       (the model's figure for the old map on the new windows' load, corrected by the model's bias
       measured before the change) by more than rollback_balancedness_drop; or
-    - its time per step over the busiest rank's pairs per step rose by more than rollback_time_rise
-      (the layer got slower for the same bottleneck load: more traffic, a slower path).
+    - its per-step time is above what the old placement would take on the same traffic by more than
+      rollback_time_rise: the time before, its slowest-rank compute scaled by how the old map's
+      busiest GPU would have grown or shrunk with the new load (the fixed collective cost kept).
     Both compare like with like, so a shift in traffic after the change (drift) is not blamed on it.
     """
     if len(windows) < cfg.verify_windows:
@@ -405,23 +416,25 @@ def verify(baseline: dict[int, LayerBaseline], windows: Sequence[TriagedWindow],
     for layer, base in baseline.items():
         measured = _mean_metric(recent, layer, "balancedness")
         seconds = _mean_metric(recent, layer, "layer_seconds_per_step")
-        speed = seconds_per_bottleneck_pair(recent, layer)
-        old_model = float(pm.balancedness(load[layer:layer + 1], base.old_map[None, :], num_gpus)[0])
+        old_row = base.old_map[None, :]
+        old_model = float(pm.balancedness(load[layer:layer + 1], old_row, num_gpus)[0])
         counterfactual = min(1.0, old_model + base.model_bias)
+        growth = (float(pm.gpu_load(load[layer:layer + 1], old_row, num_gpus).max()) / base.model_max_gpu_load
+                  if base.model_max_gpu_load > 0 else 1.0)
+        expected_seconds = base.layer_seconds + base.compute_seconds * (growth - 1.0)
         numbers[layer] = {"balancedness_before": base.balancedness, "balancedness_after": measured,
                           "balancedness_old_map_same_load": counterfactual,
                           "layer_seconds_before": base.layer_seconds, "layer_seconds_after": seconds,
-                          "seconds_per_bottleneck_pair_before": base.seconds_per_bottleneck_pair,
-                          "seconds_per_bottleneck_pair_after": speed}
+                          "layer_seconds_old_map_same_load": expected_seconds}
         if measured < counterfactual - cfg.rollback_balancedness_drop:
             worse.append(layer)
             reasons.append(f"layer {layer} balancedness {measured:.3f} vs {counterfactual:.3f} with the old "
                            "placement on the same load")
-        elif (math.isfinite(base.seconds_per_bottleneck_pair) and math.isfinite(speed)
-              and speed > base.seconds_per_bottleneck_pair * (1 + cfg.rollback_time_rise)):
+        elif (math.isfinite(seconds) and math.isfinite(expected_seconds) and expected_seconds > 0
+              and seconds > expected_seconds * (1 + cfg.rollback_time_rise)):
             worse.append(layer)
-            reasons.append(f"layer {layer} takes {speed / base.seconds_per_bottleneck_pair - 1:.0%} longer for the "
-                           f"same busiest-rank load ({seconds * 1e3:.2f} ms/step vs {base.layer_seconds * 1e3:.2f})")
+            reasons.append(f"layer {layer} takes {seconds * 1e3:.2f} ms/step vs {expected_seconds * 1e3:.2f} expected "
+                           f"with the old placement on the same load (+{seconds / expected_seconds - 1:.0%})")
     if worse:
         return Verification("rollback", tuple(worse), "; ".join(reasons), numbers)
     return Verification("keep", (), "every changed layer held or improved", numbers)

@@ -172,3 +172,19 @@ def test_capped_replica_counts_sum_to_slots(values):
     counts = policy.capped_replica_counts(load, P, cap)
     assert (counts.sum(axis=1) == P).all()
     assert counts.max() <= max(cap, -(-P // E))
+
+
+def test_verify_rolls_back_a_layer_that_got_slower(helpers):
+    """Better balanced but slower per step than the old map would be (say, the new placement's traffic
+    takes a slow path): rolled back on time."""
+    load = helpers.hot_load(L, E)
+    c = cfg(verify_windows=2, rollback_time_rise=0.25)
+    proposal = policy.decide(view(triaged(helpers, load, helpers.contiguous(L, E, P), 3)), c, 0.0)
+    same = triaged(helpers, load, proposal.physical_to_logical_map, 2, epoch=1, start=2000.0)
+    assert policy.verify(proposal.baseline, same, c, W).status == "keep"
+    slow = triaged(helpers, load, proposal.physical_to_logical_map, 2, epoch=1, start=2000.0,
+                   transfer_seconds=2e-3)
+    outcome = policy.verify(proposal.baseline, slow, c, W)
+    assert outcome.status == "rollback" and "expected with the old placement" in outcome.reason
+    n = outcome.numbers[0]
+    assert n["layer_seconds_after"] > n["layer_seconds_old_map_same_load"] * 1.25
