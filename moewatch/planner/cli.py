@@ -184,14 +184,15 @@ def _plan_text(s: dict[str, Any]) -> str:
 # --- moewatch whatif ----------------------------------------------------------------------------
 
 @click.command("whatif", cls=_OneLineCommand)
-@click.option("--experts", type=_IntList(), default="8,16,32,64,128,256,512", show_default=True,
+@click.option("--experts", type=_IntList(), default="2,4,8,16,32,64,128,256,512", show_default=True,
               help="Expert counts to sweep.")
 @click.option("--ranks", type=_IntList(), default=None,
               help="Rank counts to sweep (each that divides the expert count); default: experts / --experts-per-rank.")
 @click.option("--experts-per-rank", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--tokens", type=_IntList(), default="256,1024,4096", show_default=True,
               help="Batch sizes (tokens per step) to sweep.")
-@click.option("--top-k", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Experts per token (expert counts below it are skipped).")
 @click.option("--hidden-bytes", type=click.IntRange(min=1), default=7168 * 2, show_default=True,
               help="Bytes one pair moves each way (hidden size x element size).")
 @click.option("--ranks-per-node", type=click.IntRange(min=1), default=8, show_default=True)

@@ -38,12 +38,12 @@ class CostModel:
     """Parameters of a layer's time; the defaults are an H100-class node (documented guesses,
     replaced by `fit` as soon as Windows are available)."""
 
-    seconds_per_pair: float = 2.2e-7  # expert FFN, d=7168, ffn=2048, bf16, about 400 TFLOP/s
-    seconds_per_local_expert: float = 5e-6
+    seconds_per_pair: float = 2.2e-7  # expert FFN, d=7168, ffn=2048, bf16: 88 MFLOP at ~400 TFLOP/s
+    seconds_per_local_expert: float = 26e-6  # streaming that expert's 88 MB of weights from 3.35 TB/s HBM
     fixed_seconds: float = 2e-5
-    seconds_per_byte_intra: float = 1.0 / 450e9  # NVLink all-to-all, as measured, not nominal
-    seconds_per_byte_inter: float = 1.0 / 22e9  # 200 Gb/s InfiniBand (seed 002: about 22 GB/s)
-    seconds_per_message: float = 5e-6
+    seconds_per_byte_intra: float = 1.0 / 700e9  # seed 002: NVLink all-to-all about 700 GB/s in practice
+    seconds_per_byte_inter: float = 1.0 / 22e9  # seed 002: 200 Gb/s InfiniBand about 22 GB/s
+    seconds_per_message: float = 3e-6
     migration_bytes_per_second: float = 50e9
 
     def to_dict(self) -> dict[str, float]:
@@ -204,53 +204,57 @@ class FitReport:
         return asdict(self)
 
 
-def fit(windows: Iterable[Any], base: CostModel | None = None) -> tuple[CostModel, FitReport]:
+def fit(windows: Iterable[Any], base: CostModel | None = None, rounds: int = 4) -> tuple[CostModel, FitReport]:
     """Least-squares fit (non-negative) of the model's parameters to measured Windows.
 
     Compute: each (window, layer, rank) is a sample, compute seconds per step against the rank's
     pairs per step, its experts, and 1. All-to-all: each (window, layer) is a sample, the slowest
-    rank's dispatch + combine per step against twice the busiest rank's intra- and inter-node bytes
-    per step (from `traffic` when the window carries it, else sent/received split by the node
-    share) and twice the peer count. A parameter whose feature never varies keeps its base value.
+    rank's dispatch + combine per step against the busiest rank's intra- and inter-node bytes per
+    step, twice (dispatch and combine), and twice the peer count. Which rank and direction is the
+    busiest depends on the bandwidths being fitted, so it is picked with the current estimate and
+    the fit repeated (`rounds`). Bytes per rank come from `traffic` when the window carries it,
+    else from sent/received split by the share of peers on other nodes. A parameter whose feature
+    never varies keeps its base value (one constant feature is fitted as the intercept).
     """
     model = base or CostModel()
-    comp_x, comp_y, a2a_x, a2a_y = [], [], [], []
+    comp_x, comp_y, a2a_bytes, a2a_peers, a2a_y = [], [], [], [], []
     for w in windows:
         steps = max(w.steps, 1)
         W, G = w.world_size, min(w.ranks_per_node, w.world_size)
         N = max(W // G, 1)
         pairs = (w.local_tokens + w.received_tokens) / steps  # [L, W]
         experts = (holders(w.physical_to_logical_map, w.num_experts, W) > 0).sum(axis=1)
-        for layer in range(w.num_layers):
-            for rank in range(W):
-                comp_x.append((pairs[layer, rank], experts[layer, rank], 1.0))
-                comp_y.append(w.compute_seconds[layer, rank] / steps)
+        comp_x.append(np.stack([pairs.ravel(), experts.ravel().astype(np.float64), np.ones(pairs.size)], axis=1))
+        comp_y.append((w.compute_seconds / steps).ravel())
         if w.traffic is not None:
             per = rank_traffic(np.asarray(w.traffic, dtype=np.float64), N)
         else:
             inter_share = (W - G) / max(W - 1, 1)
             per = {"send_intra": w.sent_tokens * (1 - inter_share), "send_inter": w.sent_tokens * inter_share,
                    "recv_intra": w.received_tokens * (1 - inter_share), "recv_inter": w.received_tokens * inter_share}
-        for layer in range(w.num_layers):
-            send = per["send_intra"][layer] + per["send_inter"][layer]
-            recv = per["recv_intra"][layer] + per["recv_inter"][layer]
-            r_send, r_recv = int(np.argmax(send)), int(np.argmax(recv))
-            if send[r_send] >= recv[r_recv]:
-                intra, inter = per["send_intra"][layer][r_send], per["send_inter"][layer][r_send]
-            else:
-                intra, inter = per["recv_intra"][layer][r_recv], per["recv_inter"][layer][r_recv]
-            b = w.hidden_bytes / steps
-            a2a_x.append((2 * intra * b, 2 * inter * b, 2.0 * (W - 1)))
-            a2a_y.append(float((w.dispatch_seconds[layer] + w.combine_seconds[layer]).max()) / steps)
+        scale = w.hidden_bytes / steps
+        # [L, 2 W, 2]: each rank and direction's (intra, inter) bytes per step
+        both = np.concatenate([np.stack([per["send_intra"], per["send_inter"]], axis=2),
+                               np.stack([per["recv_intra"], per["recv_inter"]], axis=2)], axis=1) * scale
+        a2a_bytes.extend(both)
+        a2a_peers.extend([2.0 * (W - 1)] * w.num_layers)
+        a2a_y.extend(((w.dispatch_seconds + w.combine_seconds).max(axis=1) / steps).tolist())
     if not comp_y:
         raise ValueError("windows: nothing to fit (no windows)")
     comp_names = ("seconds_per_pair", "seconds_per_local_expert", "fixed_seconds")
     a2a_names = ("seconds_per_byte_intra", "seconds_per_byte_inter", "seconds_per_message")
-    comp_coef, comp_fit, r2c = _nnls_fit(np.array(comp_x), np.array(comp_y), [getattr(model, n) for n in comp_names])
-    a2a_coef, a2a_fit, r2a = _nnls_fit(np.array(a2a_x), np.array(a2a_y), [getattr(model, n) for n in a2a_names])
-    changes = {n: c for n, c, f in zip(comp_names + a2a_names, comp_coef + a2a_coef, comp_fit + a2a_fit) if f}
+    comp_coef, comp_fit, r2c = _nnls_fit(np.concatenate(comp_x), np.concatenate(comp_y),
+                                         [getattr(model, n) for n in comp_names])
+    y = np.array(a2a_y)
+    coef = [getattr(model, n) for n in a2a_names]
+    for _ in range(max(rounds, 1)):
+        per_byte = np.array(coef[:2])
+        x = np.array([b[np.argmax(b @ per_byte)] for b in a2a_bytes])  # busiest rank and direction
+        x = np.column_stack([2.0 * x, np.array(a2a_peers)])
+        coef, a2a_fit, r2a = _nnls_fit(x, y, [getattr(model, n) for n in a2a_names])
+    changes = {n: c for n, c, f in zip(comp_names + a2a_names, comp_coef + coef, comp_fit + a2a_fit) if f}
     fitted = tuple(n for n, f in zip(comp_names + a2a_names, comp_fit + a2a_fit) if f)
-    report = FitReport(len(comp_y), len(a2a_y), fitted, r2c, r2a)
+    report = FitReport(int(sum(len(c) for c in comp_y)), len(a2a_y), fitted, r2c, r2a)
     return replace(model, **changes), report
 
 

@@ -223,9 +223,14 @@ def read_plan(path: str | Path) -> Plan:
         raise FileFormatError(path, "expected an object with `physical_to_logical_map`")
     try:
         if "epoch" in data or "capacity_factor" in data:
-            return Plan.from_dict(data)
-        pmap = data["physical_to_logical_map"]
-        layers = len(pmap) if isinstance(pmap, list) else 0
-        return Plan(0, pmap, np.zeros(layers), reason="read from SGLang --init-expert-location JSON")
+            plan = Plan.from_dict(data)
+        else:
+            pmap = data["physical_to_logical_map"]
+            layers = len(pmap) if isinstance(pmap, list) else 0
+            plan = Plan(0, pmap, np.zeros(layers), reason="read from SGLang --init-expert-location JSON")
     except PlanError as exc:
         raise FileFormatError(path, str(exc)) from None
+    if plan.physical_to_logical_map.min() < 0:
+        layer, slot = map(int, np.argwhere(plan.physical_to_logical_map < 0)[0])
+        raise FileFormatError(path, f"physical_to_logical_map: layer {layer} slot {slot}: expert id outside [0, E)")
+    return plan

@@ -110,7 +110,7 @@ def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_
         raise PlacementShapeError("tolerance", f"must be in [0, 1), got {tolerance}")
 
     started = time.perf_counter()
-    scratch = pack(load_arr, replica_counts(load_arr, P), W, N)
+    scratch = no_worse_than_least_replication(load_arr, pack(load_arr, replica_counts(load_arr, P), W, N), W, N)
     layer_methods = None
     if transitions is not None:
         method = "affinity"
@@ -154,6 +154,61 @@ def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_
         solve_seconds=solve_seconds,
         layer_methods=layer_methods,
     )
+
+
+def no_worse_than_least_replication(load: np.ndarray, pmap: np.ndarray, num_gpus: int,
+                                    num_nodes: int = 1) -> np.ndarray:
+    """[L, E] load, [L, P] balanced placement -> [L, P] placement that, in every layer, is at least
+    as balanced as the plan with the fewest slots (P0 = E rounded up to a multiple of W: no
+    replication when W divides E), solved by the same method.
+
+    That plan fits in P slots with the same per-GPU loads: each GPU's extra slots repeat one of its
+    own single-replica experts (an expert whose every replica sits on one GPU keeps that GPU's
+    share at 1). It is solved only for layers where it could win: no packing of its replicas beats
+    mean / max(mean GPU load, heaviest replica). Greedy replica counts are not always the best for
+    packing (a second replica that cannot share a GPU with the first may land on a busy one), so
+    without this step more slots could give a worse plan."""
+    L, E = load.shape
+    W = num_gpus
+    P = pmap.shape[1]
+    P0 = -(-E // W) * W
+    if P0 == P:
+        return pmap
+    ours = balancedness(load, pmap, W)
+    mean = load.sum(axis=1) / W
+    counts0 = replica_counts(load, P0)
+    heaviest = (load / counts0).max(axis=1)
+    ceiling = np.divide(mean, np.maximum(mean, heaviest), out=np.ones(L), where=mean > 0)
+    layers = np.flatnonzero(ours < ceiling)
+    if layers.size == 0:
+        return pmap
+    sub = load[layers]
+    least = pack(sub, counts0[layers], W, num_nodes)
+    embedded = _embed(least, E, W, P)
+    out = pmap.copy()
+    for i, layer in enumerate(layers):
+        if embedded[i] is not None and balancedness(sub[i:i + 1], embedded[i][None], W)[0] > ours[layer]:
+            out[layer] = embedded[i]
+    return out
+
+
+def _embed(least: np.ndarray, num_experts: int, num_gpus: int, num_slots: int) -> list[np.ndarray | None]:
+    """[A, P0] placements -> each as [P] with every GPU's extra slots repeating one of its own
+    single-replica experts (None where a GPU has none)."""
+    A, P0 = least.shape
+    S0, S = P0 // num_gpus, num_slots // num_gpus
+    out: list[np.ndarray | None] = []
+    for row in least:
+        counts = np.bincount(row, minlength=num_experts)
+        bins = row.reshape(num_gpus, S0)
+        alone = counts[bins] == 1
+        if not alone.any(axis=1).all():
+            out.append(None)
+            continue
+        pick = bins[np.arange(num_gpus), np.argmax(alone, axis=1)]
+        extra = np.repeat(pick[:, None], S - S0, axis=1)
+        out.append(np.concatenate([bins, extra], axis=1).ravel())
+    return out
 
 
 def _load_matrix(load: Any) -> np.ndarray:
