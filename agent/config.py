@@ -293,9 +293,10 @@ def build_config(config_path: str | None = None, environ: Mapping[str, str] | No
             # A threshold from a string source (env) is parsed here so its error names the variable.
             try:
                 Thresholds.from_mapping({name: float(value) if isinstance(value, str) else value})
-            except (ConfigError, ValueError) as exc:
-                detail = str(exc).split(": ", 2)[-1] if isinstance(exc, ConfigError) else f"expected a number, got {value!r}"
-                raise ConfigError(f"{where(name)}: {detail}") from None
+            except ConfigError as exc:
+                raise ConfigError(f"{where(name)}: {str(exc).split(': ', 1)[1]}") from None
+            except ValueError:
+                raise ConfigError(f"{where(name)}: expected a number, got {value!r}") from None
             merged_thr[name] = float(value) if isinstance(value, str) else value
     merged = {**file_agent, **env_agent, **flag_agent}
     try:

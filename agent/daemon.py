@@ -116,7 +116,10 @@ class Daemon:
         if self.otel is not None:
             self.otel.shutdown()
         if self.audit is not None:
-            self.audit.record("agent_stopped", windows=sum(g.windows_accepted for g in self.store.groups()))
+            try:
+                self.audit.record("agent_stopped", windows=sum(g.windows_accepted for g in self.store.groups()))
+            except (ValueError, OSError) as exc:
+                log.error("audit log: %s", exc)
             self.audit.close()
         log.info("moewatch agent stopped")
 
