@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import balancedness, holders, replica_counts_of
+from .metrics import balancedness, holders, pairs_from_groups, pairs_reaching_groups, replica_counts_of
 from .packing import refine_by_swaps, replica_weights, replicas_in_order
 
 
@@ -69,21 +69,16 @@ def layer_scores(transitions: np.ndarray, pmap: np.ndarray, layers: np.ndarray, 
     E, W, N = num_experts, num_gpus, num_nodes
     score = np.zeros((layers.size, E, W))
     groups = [(W, np.arange(W))] + ([(N, np.arange(W) // (W // N))] if N > 1 else [])
-    counts = replica_counts_of(pmap, E).astype(np.float64)
+    has_prev = layers > 0
+    has_next = (layers < L - 1) & (neighbours == "both")
+    prev, nxt = layers[has_prev] - 1, layers[has_next] + 1
     for size, column in groups:
-        held = holders(pmap, E, size).astype(np.float64)  # [L, E, size]
-        share = held / np.maximum(held.sum(axis=2, keepdims=True), 1.0)
-        present = (held > 0).astype(np.float64)
         part = np.zeros((layers.size, E, size))
-        has_prev = layers > 0
-        if has_prev.any():
-            prev = layers[has_prev] - 1
-            part[has_prev] += np.matmul(np.swapaxes(transitions[prev], 1, 2), share[prev])
-        has_next = (layers < L - 1) & (neighbours == "both")
-        if has_next.any():
-            lay = layers[has_next]
-            out = np.matmul(transitions[lay], present[lay + 1])
-            part[has_next] += out / counts[lay][:, :, None]
+        if prev.size:
+            part[has_prev] += pairs_from_groups(transitions[prev], pmap[prev], size)
+        if nxt.size:
+            counts = np.maximum(replica_counts_of(pmap[layers[has_next]], E), 1)
+            part[has_next] += pairs_reaching_groups(transitions[layers[has_next]], pmap[nxt], size) / counts[:, :, None]
         score += part[:, :, column]
     return score
 
@@ -292,9 +287,14 @@ def group_similarity(rows: np.ndarray, num_groups: int, seed: int = 0, iteration
         centres[c] = x[pick]
         closest = np.minimum(closest, 1.0 - x @ centres[c])
     for _ in range(iterations):
-        label = np.argmax(x @ centres.T, axis=1)
+        label = np.argmax(_cosines(x, centres), axis=1)
         sums = np.zeros_like(centres)
         np.add.at(sums, label, x)
         size = np.linalg.norm(sums, axis=1, keepdims=True)
         centres = np.where(size > 0, sums / np.maximum(size, 1e-300), centres)
-    return x @ centres.T
+    return _cosines(x, centres)
+
+
+def _cosines(x: np.ndarray, centres: np.ndarray) -> np.ndarray:
+    # einsum without BLAS: BLAS threads crawl on shared CPUs (see metrics.pairs_reaching_groups)
+    return np.einsum("nd,kd->nk", x, centres)

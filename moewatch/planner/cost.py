@@ -79,7 +79,7 @@ def expected_traffic(load: np.ndarray, pmap: np.ndarray, num_gpus: int, num_node
     for layer in range(L):
         h = held[layer]  # [E, W]
         here = h > 0
-        on_node = h @ same_node  # [E, W]: replicas on the node of each source rank
+        on_node = np.einsum("ew,wv->ev", h, same_node)  # [E, W]: replicas on each source rank's node
         total = h.sum(axis=1, keepdims=True)
         # destination share [E, src, dst]
         share = np.where(here[:, :, None], np.eye(W)[None, :, :], 0.0)

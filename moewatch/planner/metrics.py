@@ -116,13 +116,51 @@ def transition_cross_shares(transitions: np.ndarray, pmap: np.ndarray, num_gpus:
 
 
 def _same_group_pairs(transitions: np.ndarray, pmap: np.ndarray, num_experts: int, num_groups: int) -> float:
-    held = holders(pmap, num_experts, num_groups).astype(np.float64)  # [L, E, groups]
-    counts = held.sum(axis=2, keepdims=True)
-    source_share = held / np.where(counts > 0, counts, 1.0)  # where each expert's tokens sit
-    present = (held > 0).astype(np.float64)
-    # [L-1, E, E]: probability that a pair (i at l, j at l+1) stays inside one group
-    stay = np.matmul(source_share[:-1], np.swapaxes(present[1:], 1, 2))
-    return float((transitions * stay).sum())
+    # pairs (i at l, j at l+1) stay when the group of i's token holds j:
+    # sum over l, i, g of share[l, i, g] * reach[l, i, g]
+    counts = replica_counts_of(pmap[:-1], num_experts)
+    share = holders(pmap[:-1], num_experts, num_groups) / np.maximum(counts, 1)[:, :, None]
+    return float((share * pairs_reaching_groups(transitions, pmap[1:], num_groups)).sum())
+
+
+def pairs_reaching_groups(transitions: np.ndarray, next_pmap: np.ndarray, num_groups: int) -> np.ndarray:
+    """[A, E, E] transitions (source, destination), [A, P] placement of the destination layers ->
+    [A, E, groups]: pairs from each source expert whose destination the group holds.
+
+    Gathers columns by slot instead of multiplying by a 0/1 matrix: no BLAS call, whose threads
+    crawl when the CPUs are shared (the sidecar's normal case)."""
+    A, P = next_pmap.shape
+    E = transitions.shape[1]
+    first = first_in_group(next_pmap, num_groups)  # an expert twice in one group counts once
+    cols = np.take_along_axis(transitions, np.broadcast_to(next_pmap[:, None, :], (A, E, P)), axis=2)
+    cols = cols * first[:, None, :]
+    return cols.reshape(A, E, num_groups, P // num_groups).sum(axis=3)
+
+
+def pairs_from_groups(transitions: np.ndarray, prev_pmap: np.ndarray, num_groups: int) -> np.ndarray:
+    """[A, E, E] transitions (source, destination), [A, P] placement of the source layers ->
+    [A, E, groups]: pairs into each destination expert whose token sits in the group (a source
+    expert's tokens split evenly over its replicas)."""
+    A, P = prev_pmap.shape
+    E = transitions.shape[1]
+    counts = np.maximum(replica_counts_of(prev_pmap, E), 1)
+    rows = np.take_along_axis(transitions, np.broadcast_to(prev_pmap[:, :, None], (A, P, E)), axis=1)
+    rows = rows / np.take_along_axis(counts, prev_pmap, axis=1)[:, :, None]
+    return np.swapaxes(rows.reshape(A, num_groups, P // num_groups, E).sum(axis=2), 1, 2)
+
+
+def first_in_group(pmap: np.ndarray, num_groups: int) -> np.ndarray:
+    """[L, P] placement -> [L, P] True where the slot is its expert's first in its group of slots."""
+    L, P = pmap.shape
+    size = P // num_groups
+    grouped = pmap.reshape(L, num_groups, size)
+    order = np.argsort(grouped, axis=2, kind="stable")
+    sorted_ = np.take_along_axis(grouped, order, axis=2)
+    first_sorted = np.ones_like(sorted_, dtype=bool)
+    first_sorted[:, :, 1:] = sorted_[:, :, 1:] != sorted_[:, :, :-1]
+    out = np.empty_like(first_sorted)
+    np.put_along_axis(out, order, first_sorted, axis=2)
+    return out.reshape(L, P)
 
 
 def experts_moved(current: np.ndarray, new: np.ndarray) -> np.ndarray:

@@ -41,7 +41,7 @@ def align_to_current(new: np.ndarray, current: np.ndarray, num_gpus: int, num_no
     # overlap[l, a, b]: experts shared by new GPU a and current GPU b
     held_new = (holders(new, E, W) > 0).astype(np.float64)
     held_cur = (holders(current, E, W) > 0).astype(np.float64)
-    overlap = np.matmul(np.swapaxes(held_new, 1, 2), held_cur)  # [L, W, W]
+    overlap = np.einsum("lea,leb->lab", held_new, held_cur)  # [L, W, W], no BLAS threads
     if not per_layer:
         overlap = overlap.sum(axis=0, keepdims=True)
     rename = np.empty((overlap.shape[0], W), dtype=np.int64)  # new GPU a becomes GPU rename[a]

@@ -67,27 +67,50 @@ def affinity_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: in
 
     Each token has a topic z; at every layer each of its k choices comes, with probability
     `stickiness`, from topic z's E / num_topics experts of that layer (a random partition of the
-    experts, different per layer) and otherwise from all experts; within a set, experts are picked
-    by a lognormal(0, skew) popularity, so loads are uneven and balance still matters. The k
-    choices of one token and layer are distinct. with_topics=True also returns the planted
-    partition, [L, Z, E / Z] expert ids of each topic per layer.
+    experts, different per layer) and otherwise from all experts; within either set an expert is
+    drawn by its lognormal(0, skew) popularity, so loads are uneven and balance still matters. A
+    draw that repeats an expert the token already chose at that layer is drawn again (sampling
+    without replacement). with_topics=True also returns the planted partition, [L, Z, E / Z]
+    expert ids of each topic per layer.
     """
     rng = np.random.default_rng(seed)
     T, L, E, k = num_tokens, num_layers, num_experts, top_k
     if E % num_topics:
         raise ValueError(f"num_topics: {num_topics} does not divide {E} experts")
+    if k > E:
+        raise ValueError(f"top_k: {k} exceeds {E} experts")
     per_topic = E // num_topics
     members = np.stack([rng.permutation(E).reshape(num_topics, per_topic) for _ in range(L)])  # [L, Z, E/Z]
     pop = rng.lognormal(0.0, skew, size=(L, E))
     topic = rng.integers(0, num_topics, size=T)
     trace = np.empty((T, L, k), dtype=np.int64)
     for layer in range(L):
-        own = members[layer][topic]  # [T, E/Z]
-        own_w = pop[layer][own]
-        # Gumbel top-k over a score that favours the topic's experts: distinct picks, weighted.
-        score = np.log(np.broadcast_to(pop[layer], (T, E)) * (1.0 - stickiness) / E)
-        in_topic = np.full((T, E), -np.inf)
-        np.put_along_axis(in_topic, own, np.log(stickiness * own_w / own_w.sum(axis=1, keepdims=True)), axis=1)
-        score = np.logaddexp(score, in_topic) + rng.gumbel(size=(T, E))
-        trace[:, layer, :] = np.argsort(-score, axis=1)[:, :k]
+        own_weight = pop[layer][members[layer]]  # [Z, E/Z]
+        own_cdf = np.cumsum(own_weight, axis=1) / own_weight.sum(axis=1, keepdims=True)
+        all_cdf = np.cumsum(pop[layer]) / pop[layer].sum()
+
+        def draw(rows: np.ndarray, count: int) -> np.ndarray:
+            u = rng.random((rows.size, count))
+            in_topic = rng.random((rows.size, count)) < stickiness
+            z = topic[rows][:, None]
+            pick = (u[:, :, None] > own_cdf[z][:, :, :]).sum(axis=2)  # [rows, count]
+            pick = np.minimum(pick, per_topic - 1)
+            from_topic = members[layer][np.broadcast_to(z, pick.shape), pick]
+            from_all = np.minimum(np.searchsorted(all_cdf, u), E - 1)
+            return np.where(in_topic, from_topic, from_all)
+
+        chosen = draw(np.arange(T), k)
+        while True:
+            order = np.sort(chosen, axis=1)
+            repeats = (order[:, 1:] == order[:, :-1]).any(axis=1)
+            if not repeats.any():
+                break
+            rows = np.flatnonzero(repeats)
+            sub = chosen[rows]
+            # a position repeats when an earlier position holds the same expert
+            earlier = (sub[:, :, None] == sub[:, None, :]) & np.tri(k, k, -1, dtype=bool).T[None]
+            again = earlier.any(axis=1)
+            fresh = draw(rows, k)
+            chosen[rows] = np.where(again, fresh, sub)
+        trace[:, layer, :] = chosen
     return (trace, members) if with_topics else trace
