@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 
 import click
@@ -19,13 +18,6 @@ from .config import ConfigError, RuntimeConfig, validate
 def _fail(message: str) -> None:
     click.echo(f"moewatch runtime: error: {message}", err=True)
     sys.exit(2)
-
-
-def _forward_signal(processes) -> None:
-    # Ctrl-C already reached the ranks (same process group); a SIGTERM to the launcher has not.
-    for process in processes:
-        if process.is_alive():
-            os.kill(process.pid, signal.SIGTERM)
 
 
 @click.command("runtime")
@@ -95,7 +87,7 @@ def runtime(placement_file, no_probe, socket_path, as_json, **options) -> None:
             _fail("--backend nccl needs CUDA GPUs; none is visible")
     from .launcher import GroupError, launch, result_json
     try:
-        result = launch(cfg, on_interrupt=_forward_signal)
+        result = launch(cfg)
     except ConfigError as exc:
         _fail(f"--{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}")
     except GroupError as exc:

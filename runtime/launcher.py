@@ -17,6 +17,7 @@ import pickle
 import queue as queue_module
 import signal
 import socket
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -71,15 +72,29 @@ def _group_entry(rank: int, world_size: int, port: int, backend: str, fn: Callab
             dist.destroy_process_group()
 
 
+def terminate_ranks(processes) -> None:
+    """Ask every live rank to stop (SIGTERM; the runtime's ranks finish their step first)."""
+    for process in processes:
+        if process.is_alive():
+            try:
+                os.kill(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
 def run_group(world_size: int, fn: Callable, args: tuple = (), *, backend: str = "gloo",
               threads_per_rank: int | None = None, timeout_s: float = 120.0,
               on_interrupt: Callable[[list], None] | None = None) -> list[Any]:
     """Run fn(rank, world_size, *args) on world_size spawned ranks; return the values by rank.
 
+    on_interrupt(processes) is called when the launcher gets SIGINT or SIGTERM (default: forward
+    SIGTERM to the ranks, which the runtime's ranks turn into a stop at the next step boundary).
+
     fn must be importable by name (a module-level function). A failing rank raises GroupError with
     its traceback, after the other ranks are terminated.
     """
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    on_interrupt = on_interrupt or terminate_ranks
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -97,21 +112,28 @@ def run_group(world_size: int, fn: Callable, args: tuple = (), *, backend: str =
         except queue_module.Empty:
             pass
 
+    # SIGINT / SIGTERM to the launcher: pass the request on and keep collecting, so the ranks stop
+    # together at a step boundary and the result still comes back (no KeyboardInterrupt mid-drain).
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        def forward(signum, frame):
+            if on_interrupt is not None:
+                on_interrupt(context.processes)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, forward)
     try:
         while True:
             try:
                 if context.join(timeout=0.05):
                     break
-            except KeyboardInterrupt:
-                if on_interrupt is not None:
-                    on_interrupt(context.processes)
-                continue
             except Exception as exc:  # a rank raised or died: the others were terminated
                 drain(0.5)
                 detail = next(iter(errors.values()), str(exc))
                 raise GroupError(f"a rank of the EP group failed:\n{detail}") from None
             drain(0.0)
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         for process in context.processes:
             if process.is_alive():
                 process.kill()
