@@ -10,7 +10,6 @@ One interface, `Actuator.apply(group, plan) -> Actuation`:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from moewatch.plan import Plan
+from moewatch.planner.files import plan_to_json
 from moewatch.wire import Ack
 
 log = logging.getLogger("moewatch.agent.actuators")
@@ -59,11 +59,6 @@ class RuntimeActuator:
         return Actuation("sent", f"plan epoch {plan.epoch} sent on connection {conn.id}")
 
 
-def sglang_location(plan: Plan) -> dict:
-    """The `--init-expert-location` JSON object for a plan."""
-    return {"physical_to_logical_map": plan.physical_to_logical_map.tolist()}
-
-
 def write_atomically(path: Path, text: str) -> None:
     """Readers see the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +86,7 @@ class SGLangActuator:
 
     def apply(self, group_key: tuple[str, str], plan: Plan) -> Actuation:
         try:
-            write_atomically(self.location_file, json.dumps(sglang_location(plan)) + "\n")
+            write_atomically(self.location_file, plan_to_json(plan, "sglang") + "\n")
         except OSError as exc:
             return self._done(plan, False, f"cannot write {self.location_file}: {exc.strerror}")
         if not self.command:

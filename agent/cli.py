@@ -53,7 +53,7 @@ def agent(config_path: str | None, print_config: bool, **flags) -> None:
 
 
 @click.command()
-@click.option("--seconds", type=click.FloatRange(5, 3600), default=50.0, show_default=True,
+@click.option("--seconds", type=click.FloatRange(5, 3600), default=60.0, show_default=True,
               help="How long the runtime serves (startup and the summary add about 20 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print only the summary object as JSON.")
 @click.option("--ranks", type=click.IntRange(2, 8), default=4, show_default=True, help="CPU ranks (gloo).")

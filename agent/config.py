@@ -58,8 +58,8 @@ class AgentConfig:
     history_windows: int = _f(64, "windows kept per EP group (a rolling history)", kind=int, lo=2, hi=100_000)
     max_groups: int = _f(64, "EP groups tracked at once; a hello beyond it is refused", kind=int, lo=1, hi=10_000)
     # --- the jobs
-    triage_interval_seconds: float = _f(1.0, "how often the triage job looks for new windows (it also "
-                                             "runs as soon as a window arrives)", kind=float, lo=0.05, hi=3600)
+    triage_interval_seconds: float = _f(1.0, "how often the triage job triages the windows that arrived "
+                                             "since its last run", kind=float, lo=0.05, hi=3600)
     plan_interval_seconds: float = _f(120.0, "how often the planning job runs the policy", kind=float,
                                       lo=0.1, hi=86_400)
     export_interval_seconds: float = _f(5.0, "how often the export job refreshes derived series", kind=float,

@@ -110,7 +110,8 @@ class Controller:
                 num_gpus=hello.world_size, num_nodes=_num_nodes(hello), num_experts=hello.num_experts,
                 num_slots=hello.num_slots, capabilities=frozenset(hello.capabilities),
                 windows=group.recent(epoch=group.epoch_in_force), last_change=dict(ctl.last_change),
-                plan_times=tuple(ctl.plan_times), observed_stall_per_slot=ctl.stall_per_slot)
+                plan_times=tuple(ctl.plan_times), observed_stall_per_slot=ctl.stall_per_slot,
+                fit_windows=group.recent())
             proposal = policy.decide(view, self.cfg, now)
             for d in proposal.decisions:
                 if d.result in ("skipped", "recommended"):

@@ -157,7 +157,7 @@ def _pct(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
-def run_demo(seconds: float = 50.0, ranks: int = 4, folder: str | None = None, listen: str = "127.0.0.1:0",
+def run_demo(seconds: float = 60.0, ranks: int = 4, folder: str | None = None, listen: str = "127.0.0.1:0",
              live: bool = True) -> dict[str, Any]:
     from .daemon import Daemon
 

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moewatch.planner import cost
 from moewatch.planner import metrics as pm
 
 from .store import TriagedWindow
@@ -92,6 +93,8 @@ class GroupView:
     # Stall per moved slot the runtime reported in its Acks (None until one arrives): the cost gate
     # takes the larger of this and the model's figure, so a model that flatters migration is corrected.
     observed_stall_per_slot: float | None = None
+    # Windows the cost model is fitted to (every epoch: its parameters are the hardware's); default: `windows`.
+    fit_windows: Sequence[TriagedWindow] = ()
 
 
 # --- evidence ----------------------------------------------------------------------------------------
@@ -149,12 +152,12 @@ def _mean_metric(windows: Sequence[TriagedWindow], layer: int, key: str) -> floa
     return float(np.mean(values)) if values else float("nan")
 
 
-# --- the planner, behind one function ------------------------------------------------------------------
+# --- the planner, behind two functions ------------------------------------------------------------
 
 def capped_replica_counts(load: np.ndarray, num_slots: int, max_replicas: int) -> np.ndarray:
     """[L, E] load -> [L, E] replica counts summing to num_slots, each in [1, max_replicas] where the
-    slots allow it (the planner's water-filling, then excess handed to the next most loaded experts
-    per replica)."""
+    slots allow it (the planner's water-filling, then the excess handed to the experts with the most
+    load per replica that are still under the cap)."""
     from moewatch.planner.replicate import replica_counts
 
     counts = replica_counts(load, num_slots)
@@ -172,58 +175,39 @@ def capped_replica_counts(load: np.ndarray, num_slots: int, max_replicas: int) -
     return counts
 
 
-def align_to_current(new: np.ndarray, current: np.ndarray, num_gpus: int) -> np.ndarray:
-    """[L, P] new placement relabelled so it moves as few slots as possible from `current` [L, P]:
-    GPUs matched to the current GPU whose experts they share most (an assignment problem), then,
-    within a GPU, experts kept in the slots that already hold them. Per-GPU expert multisets (so
-    every load and balance figure) are unchanged."""
-    from scipy.optimize import linear_sum_assignment
-
-    L, P = new.shape
-    S = P // num_gpus
-    out = np.empty_like(new)
-    for layer in range(L):
-        new_gpus = new[layer].reshape(num_gpus, S)
-        cur_gpus = current[layer].reshape(num_gpus, S)
-        overlap = np.zeros((num_gpus, num_gpus))
-        for a in range(num_gpus):
-            for b in range(num_gpus):
-                overlap[a, b] = _multiset_overlap(new_gpus[a], cur_gpus[b])
-        rows, cols = linear_sum_assignment(-overlap)
-        for a, b in zip(rows, cols):
-            out[layer, b * S:(b + 1) * S] = _keep_in_place(new_gpus[a], cur_gpus[b])
-    return out
-
-
-def _multiset_overlap(a: np.ndarray, b: np.ndarray) -> int:
-    values = np.union1d(a, b)
-    return int(sum(min(int((a == v).sum()), int((b == v).sum())) for v in values))
-
-
-def _keep_in_place(experts: np.ndarray, current_slots: np.ndarray) -> np.ndarray:
-    """Order `experts` (one GPU's new experts) so those already in a slot stay there."""
-    remaining = list(experts)
-    out = np.full(len(current_slots), -1, dtype=np.int64)
-    for i, e in enumerate(current_slots):
-        if e in remaining:
-            out[i] = e
-            remaining.remove(e)
-    out[out < 0] = remaining
-    return out
-
-
 def propose_placement(load: np.ndarray, current: np.ndarray, num_gpus: int, num_nodes: int,
                       max_replicas: int) -> np.ndarray:
-    """[L, E] load, [L, P] current placement -> [L, P] proposed placement (every layer)."""
+    """[L, E] load, [L, P] current placement -> [L, P] proposed placement (every layer).
+
+    The planner's movement-aware solve (as few slots changed as a near-balanced plan allows); a layer
+    where it gives an expert more than `max_replicas` slots is re-packed from capped replica counts
+    and aligned to the current placement, with the planner's packing and alignment."""
+    from moewatch.planner.movement import align_to_current
     from moewatch.planner.packing import pack
+    from moewatch.planner.solve import solve_placement
 
-    counts = capped_replica_counts(load, current.shape[1], max_replicas)
-    return align_to_current(pack(load, counts, num_gpus, num_nodes), current, num_gpus)
+    E = load.shape[1]
+    proposed = np.array(solve_placement(load, num_gpus, current.shape[1], num_nodes,
+                                        current=current).physical_to_logical_map)
+    over = np.flatnonzero(pm.replica_counts_of(proposed, E).max(axis=1) > max_replicas)
+    if over.size:
+        counts = capped_replica_counts(load[over], current.shape[1], max_replicas)
+        repacked = align_to_current(pack(load[over], counts, num_gpus, num_nodes), current[over], num_gpus, num_nodes)
+        proposed[over] = repacked
+    return proposed
 
 
-def migration_stall_seconds(slots_moved: int, expert_bytes: int, bandwidth: float) -> float:
-    """Seconds the runtime stalls to load `slots_moved` experts' weights."""
-    return slots_moved * expert_bytes / bandwidth
+def fitted_cost_model(windows: Sequence[TriagedWindow], migration_bandwidth: float):
+    """The planner's cost model fitted to the group's windows (parameters the windows cannot pin down
+    keep the model's defaults); the defaults when the fit fails."""
+    from moewatch.planner import cost
+
+    base = cost.CostModel(migration_bytes_per_second=migration_bandwidth)
+    try:
+        model, _ = cost.fit([t.window for t in windows], base)
+    except (ValueError, np.linalg.LinAlgError):
+        return base
+    return model
 
 
 # --- decide -------------------------------------------------------------------------------------------
@@ -302,34 +286,32 @@ def decide(view: GroupView, cfg, now: float) -> Proposal:
     if placement_layers:
         proposed = propose_placement(load, current_map, view.num_gpus, view.num_nodes, cfg.max_replicas_per_expert)
         model_after = pm.balancedness(load, proposed, view.num_gpus)
-        gpu_before = pm.gpu_load(load, current_map, view.num_gpus).max(axis=1)
-        gpu_after = pm.gpu_load(load, proposed, view.num_gpus).max(axis=1)
         moved = pm.experts_moved(current_map, proposed)
         counts_before = pm.replica_counts_of(current_map, view.num_experts)
         counts_after = pm.replica_counts_of(proposed, view.num_experts)
         rate = steps_per_second(evidence)
-        for layer, triage_kind in placement_layers.items():
+        # The planner's cost model, fitted to this group's windows, predicts each layer's time per
+        # step under either placement and the stall of moving the slots that change.
+        model = fitted_cost_model(view.fit_windows or windows, cfg.migration_bandwidth_bytes_per_second)
+        hidden = latest.window.hidden_bytes
+        t_before = cost.layer_seconds(model, load, current_map, view.num_gpus, hidden, view.num_nodes)["total"]
+        t_after = cost.layer_seconds(model, load, proposed, view.num_gpus, hidden, view.num_nodes)["total"]
+        for layer in placement_layers:
             kind = "replicate" if not np.array_equal(counts_before[layer], counts_after[layer]) else "placement"
             seconds = _mean_metric(evidence, layer, "layer_seconds_per_step")
-            compute = _mean_metric(evidence, layer, "compute_seconds_per_step")
             measured = _mean_metric(evidence, layer, "balancedness")
-            ratio = gpu_after[layer] / gpu_before[layer] if gpu_before[layer] > 0 else 1.0
-            # Every rank waits for the busiest one, so the slowest rank's expert compute scales with
-            # the busiest GPU's load; the rest of the layer (fixed collective cost) does not.
-            saved_per_step = max(0.0, compute * (1.0 - ratio)) if math.isfinite(compute) else 0.0
+            saved_per_step = max(0.0, float(t_before[layer] - t_after[layer]))
             gain = saved_per_step * rate * cfg.horizon_seconds
-            stall = migration_stall_seconds(int(moved[layer]), cfg.expert_bytes,
-                                            cfg.migration_bandwidth_bytes_per_second)
+            stall = cost.migration_stall(model, np.array([moved[layer]]), cfg.expert_bytes)["stall_seconds"]
             if view.observed_stall_per_slot is not None:
                 stall = max(stall, view.observed_stall_per_slot * int(moved[layer]))
             hot = latest.diagnosis.layers[layer].metrics["hot_experts"]
             before = {"balancedness": round(measured, 4), "model_balancedness": round(float(model_before[layer]), 4),
-                      "layer_seconds_per_step": seconds, "max_gpu_pairs_per_step": round(float(gpu_before[layer]), 2),
+                      "layer_seconds_per_step": seconds, "model_layer_seconds_per_step": float(t_before[layer]),
                       "replicas": {int(e): int(counts_before[layer, e]) for e in hot},
                       "verdict": "/".join(filter(None, verdicts.get(layer, ("", None))))}
             after = {"model_balancedness": round(float(model_after[layer]), 4),
-                     "layer_seconds_per_step": seconds - saved_per_step,
-                     "max_gpu_pairs_per_step": round(float(gpu_after[layer]), 2),
+                     "model_layer_seconds_per_step": float(t_after[layer]),
                      "replicas": {int(e): int(counts_after[layer, e]) for e in hot},
                      "slots_moved": int(moved[layer]), "predicted_stall_seconds": stall,
                      "predicted_gain_seconds": gain, "horizon_seconds": cfg.horizon_seconds}
