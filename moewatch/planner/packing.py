@@ -26,6 +26,8 @@ _TOL = 1e-9
 _GAP = 1e-3
 # How many pairings of busy with idle GPUs to try before the one-swap-at-a-time rounds.
 _PAIR_OFFSETS = 1
+# Rounds off the busiest GPU look at this many idlest GPUs first.
+_TOP_PARTNERS = 8
 
 
 def replica_weights(load: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -59,6 +61,8 @@ def lpt_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int, num_nodes: int
     G = W // num_nodes
     rows = np.arange(L)
     items, weights = replicas_in_order(load, counts)
+    if (counts == 1).all():
+        return _pack_in_waves(items, weights, W)
     total = load.sum(axis=1)
     # key[l, g] = GPU load scaled into [0, 1) + 4 when full; + 2 when the GPU holds the expert and
     # + 1 when its node does. The integer flags dominate the scaled load: a lexicographic order.
@@ -88,6 +92,23 @@ def lpt_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int, num_nodes: int
             on_node.ravel()[le * num_nodes + node_of_gpu[gpu]] = 1.0
     # Each GPU's S replicas fill its slots in the order they arrived.
     order = np.argsort(gpu_of_item.T, axis=1, kind="stable")
+    return np.take_along_axis(items, order, axis=1)
+
+
+def _pack_in_waves(items: np.ndarray, weights: np.ndarray, num_gpus: int) -> np.ndarray:
+    """[L, P] items heaviest first (no expert twice) -> [L, P] placement: each wave of W items
+    goes heaviest to lightest GPU. Without replicas no GPU or node can hold an expert twice, so
+    nothing else matters, and a wave at a time is W times fewer steps than one item at a time."""
+    L, P = items.shape
+    W = num_gpus
+    rows = np.arange(L)[:, None]
+    loads = np.zeros((L, W))
+    gpu_of_item = np.empty((L, P), dtype=np.int64)
+    for start in range(0, P, W):
+        order = np.argsort(loads, axis=1, kind="stable")
+        gpu_of_item[:, start:start + W] = order
+        loads[rows, order] += weights[:, start:start + W]
+    order = np.argsort(gpu_of_item, axis=1, kind="stable")
     return np.take_along_axis(items, order, axis=1)
 
 
@@ -186,8 +207,26 @@ class _SwapState:
         return layers[changed.any(axis=1)]
 
     def top_round(self, layers: np.ndarray) -> np.ndarray:
-        """Best swap off the busiest GPU with any other GPU; returns layers that changed."""
-        A, W, S = layers.size, self.W, self.S
+        """Best swap off the busiest GPU, first with the idlest GPUs only (cheap, and where the
+        best swaps usually are), then, for layers where none of those helps, with every GPU;
+        returns layers that changed."""
+        W = self.W
+        loads = self.weights[layers].sum(axis=2)
+        k = min(_TOP_PARTNERS, W)
+        if k < W:
+            idlest = np.argsort(loads, axis=1, kind="stable")[:, :k]
+            changed = self._top_swap(layers, idlest)
+            rest = np.setdiff1d(layers, changed, assume_unique=True)
+        else:
+            changed, rest = layers[:0], layers
+        if rest.size:
+            changed = np.concatenate([changed, self._top_swap(rest, np.broadcast_to(np.arange(W), (rest.size, W)))])
+        return changed
+
+    def _top_swap(self, layers: np.ndarray, partners: np.ndarray) -> np.ndarray:
+        """Best swap of a replica on the busiest GPU with one on a GPU in `partners` [A, K]."""
+        A, S = layers.size, self.S
+        K = partners.shape[1]
         ar = np.arange(A)
         b_e = self.bins[layers]  # [A, W, S]
         b_w = self.weights[layers]
@@ -195,27 +234,28 @@ class _SwapState:
         h = np.argmax(loads, axis=1)
         top = loads[ar, h]
         e_h, w_h = b_e[ar, h], b_w[ar, h]  # [A, S]
-        lay3 = layers[:, None, None]
-        a_bad = self.gpu_count[layers[:, None], e_h] > 0  # [A, S, W]: a already on j
-        b_bad = self.gpu_count[lay3, b_e, h[:, None, None]] > 0  # [A, W, S]: b already on h
+        p_e, p_w = b_e[ar[:, None], partners], b_w[ar[:, None], partners]  # [A, K, S]
+        lay2, lay3 = layers[:, None], layers[:, None, None]
+        a_bad = self.gpu_count[lay3, e_h[:, :, None], partners[:, None, :]] > 0  # [A, S, K]: a on j
+        b_bad = self.gpu_count[lay3, p_e, h[:, None, None]] > 0  # [A, K, S]: b already on h
         if self.node_count is not None:
             # One swap at a time here: a replica may leave a node it is alone on only for a node
             # that lacks its expert (then the count of nodes holding it cannot drop).
-            n_h, n_j = self.node_of_gpu[h], self.node_of_gpu
-            other = (n_j[None, :] != n_h[:, None])  # [A, W]
-            nc_a = self.node_count[layers[:, None], e_h]  # [A, S, N]
-            a_alone = np.take_along_axis(nc_a, n_h[:, None, None], axis=2)[..., 0] == 1  # [A, S]
-            a_bad |= other[:, None, :] & a_alone[:, :, None] & (nc_a[:, :, n_j] > 0)
-            b_alone = self.node_count[lay3, b_e, n_j[None, :, None]] == 1  # [A, W, S]
-            b_bad |= other[:, :, None] & b_alone & (self.node_count[lay3, b_e, n_h[:, None, None]] > 0)
-        gain = self._gain((A, S, W, S), w_h[:, :, None, None], b_w[:, None, :, :],
-                          (top[:, None] - loads)[:, None, :, None],
+            n_h, n_j = self.node_of_gpu[h], self.node_of_gpu[partners]  # [A], [A, K]
+            other = n_j != n_h[:, None]  # [A, K]
+            a_alone = self.node_count[lay2, e_h, n_h[:, None]] == 1  # [A, S]
+            a_there = self.node_count[lay3, e_h[:, :, None], n_j[:, None, :]] > 0  # [A, S, K]
+            a_bad |= other[:, None, :] & a_alone[:, :, None] & a_there
+            b_alone = self.node_count[lay3, p_e, n_j[:, :, None]] == 1  # [A, K, S]
+            b_bad |= other[:, :, None] & b_alone & (self.node_count[lay3, p_e, n_h[:, None, None]] > 0)
+        gap = top[:, None] - np.take_along_axis(loads, partners, axis=1)  # [A, K]
+        gain = self._gain((A, S, K, S), w_h[:, :, None, None], p_w[:, None, :, :], gap[:, None, :, None],
                           _forbid(a_bad)[:, :, :, None], _forbid(b_bad)[:, None, :, :]).reshape(A, -1)
         best = np.argmax(gain, axis=1)
         changed = gain[ar, best] > _TOL * np.maximum(top, 1.0)
-        a, rest = np.divmod(best[changed], W * S)
-        j, b = np.divmod(rest, S)
-        self._swap(layers[changed], h[changed], a, j, b)
+        a, rest = np.divmod(best[changed], K * S)
+        k, b = np.divmod(rest, S)
+        self._swap(layers[changed], h[changed], a, partners[changed, k], b)
         return layers[changed]
 
     def _gain(self, shape: tuple[int, ...], w_out: np.ndarray, w_in: np.ndarray, gap: np.ndarray,
