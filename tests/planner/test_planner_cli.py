@@ -71,8 +71,9 @@ def _bad_inputs(work):
     (work / "bad.json").write_text("{")
     (work / "neg.json").write_text("[[1, -1]]")
     np.save(work / "wrongtrace.npy", np.zeros((3, 9, 2), dtype=np.int64))
-    Plan(0, [[0, 1]], [0.0]).to_dict()
     (work / "plan1.json").write_text(json.dumps(Plan(0, [[0, 1]], [0.0]).to_dict()))
+    (work / "plan4.json").write_text(json.dumps({"physical_to_logical_map": [list(range(31)) + [40]] * 4}))
+    (work / "plan4ok.json").write_text(json.dumps({"physical_to_logical_map": [list(range(32))] * 4}))
     base = ["plan", "--load", work / "load.npy", "--out", work / "o.json"]
     return [
         ["plan", "--gpus", 4, "--out", work / "o.json"],  # missing --load
@@ -86,6 +87,8 @@ def _bad_inputs(work):
         base + ["--gpus", 4, "--affinity", work / "wrongtrace.npy"],
         base + ["--gpus", 4, "--current", work / "plan1.json"],
         base + ["--gpus", 4, "--current", work / "missing.json"],
+        base + ["--gpus", 2, "--current", work / "plan4.json"],  # plan holds expert 40 of 32
+        base + ["--gpus", 2, "--slots", 64, "--current", work / "plan4ok.json"],
         base + ["--gpus", 4, "--capacity-target", 0.01],  # [L, E] load has no steps
         base + ["--gpus", 4, "--capacity-target", 1.5],
         base + ["--gpus", 4, "--balancedness-floor", 0],
@@ -139,3 +142,17 @@ def test_whatif_fits_windows(work, window_from_traffic):
 def test_bench_planner_is_registered():
     result = run("bench", "planner", "--help")
     assert result.exit_code == 0 and "--write" in result.stdout
+
+
+def test_sglang_dump_without_torch_exits_2(work, monkeypatch):
+    import sys
+
+    import torch
+
+    torch.save({"logical_count": torch.ones(2, 4, 32, dtype=torch.int32)}, work / "dump.pt")
+    ok = run("plan", "--load", work / "dump.pt", "--gpus", 4, "--out", work / "p.json", "--json")
+    assert ok.exit_code == 0, ok.output
+    monkeypatch.setitem(sys.modules, "torch", None)
+    result = run("plan", "--load", work / "dump.pt", "--gpus", 4, "--out", work / "p.json")
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and "needs torch" in result.stderr

@@ -122,3 +122,32 @@ def test_topology_aware_packing_spreads_replicas_over_nodes(rng):
     _, flat_node = metrics.dispatch_cross_shares(load, flat, 16, 4)
     assert aware.cross_node_share_after.mean() < flat_node.mean()
     assert aware.balancedness_after.mean() > 0.99
+
+
+@settings(max_examples=30, deadline=None)
+@given(problems(max_extra_per_gpu=2), st.integers(0, 2**31 - 1))
+def test_movement_plans_are_valid_within_tolerance_and_move_no_more_than_renaming(problem, seed):
+    load, W, P, N = problem
+    L, E = load.shape
+    rng = np.random.default_rng(seed)
+    in_force = solve_placement(rng.permutation(load, axis=1), W, P, N).physical_to_logical_map
+    scratch = solve_placement(load, W, P, N)
+    ours = solve_placement(load, W, P, N, current=in_force, tolerance=0.01)
+    _check_valid(ours.physical_to_logical_map, L, E, W, P)
+    assert (ours.balancedness_after >= scratch.balancedness_after * 0.99 - 1e-12).all()
+    from moewatch.planner.movement import align_to_current
+
+    renamed = align_to_current(scratch.physical_to_logical_map, in_force, W, N)
+    assert (ours.experts_moved <= metrics.experts_moved(in_force, renamed)).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(problems(max_layers=4), st.integers(0, 2**31 - 1), st.floats(0.5, 0.99))
+def test_affinity_plans_are_valid_and_keep_the_floor(problem, seed, floor):
+    load, W, P, N = problem
+    L, E = load.shape
+    transitions = np.random.default_rng(seed).integers(0, 5, size=(L - 1, E, E)).astype(float)
+    result = solve_placement(load, W, P, N, affinity=transitions, balancedness_floor=floor)
+    _check_valid(result.physical_to_logical_map, L, E, W, P)
+    balanced = solve_placement(load, W, P, N).balancedness_after
+    assert (result.balancedness_after >= np.minimum(floor, balanced) - 1e-12).all()
