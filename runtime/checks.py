@@ -182,3 +182,22 @@ def suite(rank: int, world_size: int, cfg: RuntimeConfig, modes: dict[str, dict]
     live = live_plans(rank, world_size, cfg, new_map, fail_map)
     out["live"] = _gather(live, world_size)
     return out if rank == 0 else None
+
+
+def window_facts(window_dict: dict, steps: int, top_k: int) -> dict:
+    """Facts about a probe window that hold for any routing: the contract (validation), every phase
+    timed, phases inside their layer, every real token's pairs counted once."""
+    from moewatch.telemetry import Window
+
+    w = Window.from_dict(window_dict)
+    phases = w.dispatch_seconds + w.compute_seconds + w.combine_seconds
+    facts = {
+        "steps": w.steps,
+        "timed": bool(all(np.all(getattr(w, n) > 0) for n in
+                          ("dispatch_seconds", "compute_seconds", "combine_seconds", "layer_seconds"))),
+        "phases_inside_layer": bool(np.all(phases <= w.layer_seconds * (1 + 1e-6) + 1e-9)),
+        "pairs_counted": int(w.expert_tokens.sum()) == int(w.step_tokens.sum()) * top_k * w.num_layers,
+        "layer_seconds": w.layer_seconds.sum(axis=1).tolist(),
+    }
+    facts["ok"] = w.steps == steps and facts["timed"] and facts["phases_inside_layer"] and facts["pairs_counted"]
+    return facts

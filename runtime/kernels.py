@@ -59,7 +59,7 @@ def _triton_kernel():
         segment = tl.load(tiles_ptr + tile).to(tl.int64)
         row_start = tl.load(tiles_ptr + num_tiles + tile)
         row_end = tl.load(tiles_ptr + 2 * num_tiles + tile)
-        rows = row_start + tl.arange(0, BLOCK_M)
+        rows = row_start.to(tl.int64) + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < row_end
         col_ok = cols < N
@@ -87,13 +87,17 @@ def _triton_kernel():
     return grouped_gemm
 
 
-def _blocks(rows: torch.Tensor, segment_counts: list[int]) -> tuple[int, int, int]:
+def _launch_shape(rows: torch.Tensor, segment_counts: list[int]) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for this call."""
     if rows.device.type != "cuda":
-        return 16, 16, 16  # the interpreter: the smallest shapes tl.dot accepts
+        return 16, 16, 16, 1, 1  # the interpreter: the smallest shapes tl.dot accepts
     busy = [c for c in segment_counts if c] or [1]
     mean_rows = sum(busy) / len(busy)
+    # Short segments waste most of a tall tile: match the tile height to the typical segment.
     block_m = 16 if mean_rows <= 16 else 32 if mean_rows <= 32 else 64
-    return block_m, 64, 32
+    if rows.dtype == torch.float32:  # 4-byte tiles: keep two weight tiles per stage in shared memory
+        return block_m, 64, 32, 4, 3
+    return block_m, 128, 64, 8, 3
 
 
 def grouped_gemm_triton(rows: torch.Tensor, segment_counts: list[int], weights: torch.Tensor, out_cols: int,
@@ -102,7 +106,7 @@ def grouped_gemm_triton(rows: torch.Tensor, segment_counts: list[int], weights: 
     out = rows.new_empty(rows.shape[0], out_cols)
     if rows.shape[0] == 0:
         return out
-    block_m, block_n, block_k = _blocks(rows, segment_counts)
+    block_m, block_n, block_k, num_warps, num_stages = _launch_shape(rows, segment_counts)
     table = tile_table(segment_counts, block_m)
     num_tiles = len(table[0])
     tiles = torch.tensor(table, dtype=torch.int32)
@@ -116,7 +120,8 @@ def grouped_gemm_triton(rows: torch.Tensor, segment_counts: list[int], weights: 
         rows, weights, out, tiles, num_tiles, rows.shape[1], out_cols,
         rows.stride(0), rows.stride(1), weights.stride(0), weights.stride(1), weights.stride(2),
         out.stride(0), out.stride(1),
-        SWIGLU=swiglu_epilogue, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        SWIGLU=swiglu_epilogue, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -186,7 +186,10 @@ class Probe:
         L, E, P = config.num_layers, config.num_experts, config.num_slots
         self._width = 3 * E + P  # routed | dropped | rerouted | slots
         self._counts = torch.zeros(L, self._width, dtype=torch.int64, device=self.device)
-        self._no_overflow = torch.zeros(2 * E, dtype=torch.int64, device=self.device)
+        # Recorded tensors wait here and are summed a batch of steps at a time: a list append per
+        # layer instead of two kernel launches (what a launch costs is what matters on a GPU).
+        self._pending: list[list[tuple]] = [[] for _ in range(L)]
+        self._pending_steps = 0
         self._timer = _EventTimer(L, self.device) if self.device.type == "cuda" else _HostTimer(L)
         self._step_tokens: list[int | torch.Tensor] = []
         self._in_step = False
@@ -240,9 +243,29 @@ class Probe:
         """Add one layer's counts for this rank's pairs (device tensors, int64):
         expert_counts [E] pairs routed to each logical expert before capacity; slot_counts [P] pairs
         this rank sent to each slot (its own slots included) after capacity; dropped / rerouted [E]
-        at the expert the pairs were routed to (None: no capacity limit in force)."""
-        overflow = self._no_overflow if dropped is None else torch.cat([dropped, rerouted])
-        self._counts[layer].add_(torch.cat([expert_counts, overflow, slot_counts]))
+        at the expert the pairs were routed to (None: no capacity limit in force).
+
+        The probe keeps references to these tensors for up to FOLD_STEPS steps before summing them:
+        do not modify them in place afterwards (pass fresh tensors, or clones)."""
+        self._pending[layer].append((expert_counts, slot_counts, dropped, rerouted))
+
+    FOLD_STEPS = 16
+
+    def _fold(self) -> None:
+        """Sum the pending per-layer records into the window's accumulator (on the device)."""
+        E = self.cfg.num_experts
+        for layer, records in enumerate(self._pending):
+            if not records:
+                continue
+            row = self._counts[layer]
+            row[:E] += torch.stack([r[0] for r in records]).sum(dim=0)
+            row[3 * E:] += torch.stack([r[1] for r in records]).sum(dim=0)
+            limited = [r for r in records if r[2] is not None]
+            if limited:
+                row[E:2 * E] += torch.stack([r[2] for r in limited]).sum(dim=0)
+                row[2 * E:3 * E] += torch.stack([r[3] for r in limited]).sum(dim=0)
+            records.clear()
+        self._pending_steps = 0
 
     def record_topk(self, layer: int, topk_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Helper for runtimes without their own counts: [E] bincount of topk_ids [N, k] over real tokens."""
@@ -253,6 +276,9 @@ class Probe:
         """Close the step; flushes (collectively) when the window is due. Returns the Window on rank 0."""
         self._timer.end_step()
         self._in_step = False
+        self._pending_steps += 1
+        if self._pending_steps >= self.FOLD_STEPS:
+            self._fold()
         if self.steps_pending >= self._target_steps:
             return self.flush()
         return None
@@ -266,6 +292,7 @@ class Probe:
             return None
         cfg = self.cfg
         L, E, P, W = cfg.num_layers, cfg.num_experts, cfg.num_slots, self.world_size
+        self._fold()
         times, step_seconds = self._timer.resolve()  # the only host synchronisation: here, at flush
         wall = time.perf_counter() - self._window_wall_start
         end_unix = time.time()
@@ -342,5 +369,7 @@ class Probe:
 
     def _reset(self) -> None:
         self._counts.zero_()
+        for records in self._pending:
+            records.clear()
         self._timer.reset()
         self._step_tokens = []

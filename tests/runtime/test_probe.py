@@ -129,3 +129,18 @@ def test_bad_setup_names_the_field():
     probe = Probe(ProbeConfig(num_layers=1, num_experts=2, num_slots=2, top_k=1, hidden_bytes=4))
     with pytest.raises(ValueError, match="physical_to_logical_map"):
         probe.set_placement(1, [[0, 1, 0]], [0.0])
+
+
+def test_long_windows_fold_pending_counts_without_losing_any():
+    probe, windows = _probe(window_steps=Probe.FOLD_STEPS * 2 + 5)
+    for step in range(Probe.FOLD_STEPS * 2 + 5):
+        if step % 2:  # a dropped pair (one fewer computed) and a rerouted one
+            _step(probe, 5, [4, 3, 2, 1], [2, 3, 2, 1, 1, 0], dropped=[1, 0, 0, 0], rerouted=[0, 1, 0, 0])
+        else:
+            _step(probe, 5, [4, 3, 2, 1], [2, 3, 2, 1, 2, 0])
+    assert probe.windows_invalid == 0, probe.last_error
+    (window,) = windows
+    steps = Probe.FOLD_STEPS * 2 + 5
+    np.testing.assert_array_equal(window.expert_tokens, [[4 * steps, 3 * steps, 2 * steps, steps]] * L)
+    np.testing.assert_array_equal(window.dropped_tokens, [[steps // 2, 0, 0, 0]] * L)
+    np.testing.assert_array_equal(window.rerouted_tokens, [[0, steps // 2, 0, 0]] * L)

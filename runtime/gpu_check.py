@@ -1,0 +1,163 @@
+"""GPU checks of the runtime, for a machine with CUDA: `python -m moewatch.runtime.gpu_check [--quick]`.
+
+Prints one JSON object: NCCL (EP output against the single-process reference, probe windows timed by
+CUDA events, a live placement change, a stale plan, an injected migration failure), the Triton grouped
+GEMM against the torch path on the device (match and speed), the probe's overhead ratio on the GPU,
+and the runtime end to end with each kernel. `ok` is true only when every check passed. Ranks: one per
+visible GPU (NCCL refuses two ranks on one device). Exit status 0 when ok, 1 otherwise, 2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+
+def _timed(fn, reps: int = 20) -> float:
+    """Median milliseconds of fn() by CUDA events (after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def kernel_check(quick: bool) -> dict:
+    from .kernels import grouped_swiglu_torch, grouped_swiglu_triton
+
+    out: dict = {"cases": []}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(32, 1024, 2048, 8192)] if quick else [(32, 1024, 2048, 8192), (8, 2048, 4096, 16384),
+                                                    (64, 512, 1024, 4096)]
+    for slots, hidden, ffn, rows in shapes:
+        # Zipf-skewed ragged segments, some empty.
+        weights = 1.0 / np.arange(1, slots + 1) ** 1.2
+        counts = np.random.default_rng(slots).multinomial(rows, weights / weights.sum()).tolist()
+        counts[-1] = 0
+        for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+            w13 = (torch.randn(slots, hidden, 2 * ffn, device="cuda", generator=g) / hidden ** 0.5).to(dtype)
+            w2 = (torch.randn(slots, ffn, hidden, device="cuda", generator=g) / ffn ** 0.5).to(dtype)
+            x = torch.randn(sum(counts), hidden, device="cuda", generator=g).to(dtype)
+            ref = grouped_swiglu_torch(x, counts, w13, w2).float()
+            got = grouped_swiglu_triton(x, counts, w13, w2).float()
+            scale = float(ref.abs().max())
+            diff = float((got - ref).abs().max())
+            torch_ms = _timed(lambda: grouped_swiglu_torch(x, counts, w13, w2))
+            triton_ms = _timed(lambda: grouped_swiglu_triton(x, counts, w13, w2))
+            out["cases"].append({
+                "slots": slots, "hidden": hidden, "ffn": ffn, "rows": rows, "dtype": str(dtype).split(".")[-1],
+                "max_abs_diff": diff, "scale": scale, "match": diff <= tolerance * max(scale, 1.0),
+                "torch_ms": torch_ms, "triton_ms": triton_ms, "triton_over_torch": triton_ms / torch_ms,
+                "not_slower": triton_ms <= torch_ms})
+            del w13, w2, x, ref, got
+    out["ok"] = all(c["match"] and c["not_slower"] for c in out["cases"])
+    out["match"] = all(c["match"] for c in out["cases"])
+    return out
+
+
+def nccl_checks(world_size: int) -> dict:
+    from . import checks
+    from .config import RuntimeConfig
+    from .launcher import run_group
+
+    L, E, P = 2, 8, 8 + 4 * world_size
+    cfg = RuntimeConfig(ranks=world_size, layers=L, experts=E, slots=P, hidden=64, ffn=128, batch_tokens=64,
+                        pad_fraction=0.1, zipf=1.2, backend="nccl",
+                        placement=checks.replicated_placement(L, E, P, seed=1).tolist())
+    modes = {"dropless": {}, "dropless-learned": {"router": "learned"},
+             "drop": {"capacity_factor": 1.0}, "reroute": {"capacity_factor": 1.0, "overflow": "reroute"},
+             "dropless-triton": {"kernel": "triton"}}
+    new_map = checks.replicated_placement(L, E, P, seed=2).tolist()
+    fail_map = checks.replicated_placement(L, E, P, seed=3).tolist()
+    probe_cfg = cfg.replace(capacity_factor=1.0, overflow="reroute")
+    out = run_group(world_size, checks.suite, (cfg, modes, probe_cfg, 3, new_map, fail_map), backend="nccl",
+                    timeout_s=120)[0]
+    reference = {name: {**r, "ok": r["max_abs_diff"] <= 1e-4 * max(1.0, r["scale"])
+                        and r["computed"] + r["dropped"] == r["routed"]} for name, r in out["reference"].items()}
+    probe = out["probe"]
+    facts = checks.window_facts(probe["window"], steps=3, top_k=cfg.top_k) if probe["window"] else {"ok": False}
+    live = out["live"]
+    acks = live[0]["acks"]
+    live_ok = (all(r["moved"]["weights_match"] and r["moved"]["placement"] == new_map
+                   and float((r["before"] - r["after"]).abs().max()) <= 1e-5
+                   and r["failed"]["placement"] == new_map and r["failed"]["weights_match"] for r in live)
+               and [(a["plan_epoch"], a["ok"]) for a in acks] == [(1, True), (1, False), (3, False)])
+    return {"reference": reference, "probe_window": facts, "probe_invalid": probe["invalid"],
+            "live": {"ok": live_ok, "acks": acks,
+                     "max_abs_diff_before_after": max(float((r["before"] - r["after"]).abs().max()) for r in live)},
+            "ok": all(r["ok"] for r in reference.values()) and facts["ok"] and probe["invalid"] == 0 and live_ok}
+
+
+def probe_overhead(world_size: int, quick: bool) -> dict:
+    from .bench import measure
+    from .config import RuntimeConfig
+
+    cfg = RuntimeConfig(ranks=world_size, layers=8, experts=32, slots=32, top_k=2, hidden=2048, ffn=1408,
+                        batch_tokens=4096, backend="nccl", dtype="bfloat16", kernel="triton", zipf=1.0)
+    result = measure(cfg, windows=4 if quick else 10, block=10, window=50, warmup=20)
+    result["goal"] = 1.005
+    result["ok"] = result["overhead_ratio"] <= 1.005
+    return result
+
+
+def end_to_end(world_size: int) -> dict:
+    from .config import RuntimeConfig
+    from .launcher import launch
+
+    out = {}
+    for kernel in ("torch", "triton"):
+        cfg = RuntimeConfig(ranks=world_size, layers=8, experts=32, top_k=2, hidden=2048, ffn=1408, batch_tokens=4096,
+                            steps=60, backend="nccl", dtype="bfloat16", kernel=kernel, capacity_factor=1.25,
+                            overflow="reroute", window_steps=20)
+        r = launch(cfg)
+        out[kernel] = {"step_p50_s": r.step_p50_s, "step_p99_s": r.step_p99_s, "tokens_per_s": r.tokens_per_s,
+                       "pairs_lost": r.pairs_lost, "windows_built": r.windows_built,
+                       "windows_invalid": r.windows_invalid}
+    out["ok"] = all(v["pairs_lost"] == 0 and v["windows_invalid"] == 0 and v["windows_built"] >= 3
+                    for v in out.values() if isinstance(v, dict))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and windows (about a minute)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"ok": False, "error": "CUDA is not available on this machine"}))
+        return 2
+    world_size = torch.cuda.device_count()
+    report: dict = {"device": torch.cuda.get_device_name(0), "gpus": world_size, "torch": torch.__version__}
+    try:
+        import triton
+        report["triton"] = triton.__version__
+    except ImportError as exc:
+        report["triton"] = f"missing: {exc}"
+    for name, fn in (("kernel", lambda: kernel_check(args.quick)), ("nccl", lambda: nccl_checks(world_size)),
+                     ("probe_overhead", lambda: probe_overhead(world_size, args.quick)),
+                     ("end_to_end", lambda: end_to_end(world_size))):
+        started = time.monotonic()
+        try:
+            report[name] = fn()
+        except Exception:
+            report[name] = {"ok": False, "error": traceback.format_exc()[-4000:]}
+        report[name]["seconds"] = round(time.monotonic() - started, 1)
+    report["ok"] = all(report[name].get("ok") for name in ("kernel", "nccl", "probe_overhead", "end_to_end"))
+    print(json.dumps(report, default=str))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
