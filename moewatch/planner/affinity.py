@@ -11,16 +11,18 @@ ExFlow's one all-to-all per layer. With the usual dispatch-and-return all-to-all
 from the token's own rank again, and only the dispatch shares (metrics.dispatch_cross_shares)
 matter.
 
-Method: start from the balanced plan; then, in sweeps, re-place every other layer at once (even
-layers, then odd: each then sees fixed neighbours), replicas heaviest first, each on the GPU where
-its neighbours' replicas already send or receive most of its pairs, among GPUs that stay under the
-load cap implied by the floor. A layer keeps its new placement only when it scores better and
-still meets the floor.
+Method (affinity_placement): start from the balanced plan; group layer 0's experts by where their
+pairs go (one group per GPU) and place each next layer after the one before (a chain); then sweep,
+re-placing every other layer at once (even layers, then odd: each sees fixed neighbours), replicas
+heaviest first on the GPU that keeps most of their pairs among GPUs under the load cap implied by
+the floor, and improve each with swaps between GPU pairs. A layer keeps a new placement only when
+it scores better and still meets the floor.
 
-Little data overfits (a 577-token trace fitted on one half did worse on the other than ExFlow's
-published placement): counts from all k x k pairs per token carry more signal than top-1 pairs,
-and `discount` removes a constant from every observed count (absolute discounting), which drops
-pairs seen once or twice, mostly noise, before they steer the placement.
+Little data overfits (the issue cites a 577-token Mixtral trace whose placements, fitted on one
+half, did worse on the other than ExFlow's published placement): counts from all k x k pairs per
+token carry more signal than top-1 pairs, and `discount` subtracts a constant from every count
+(absolute discounting), dropping pairs seen only once or twice before they steer the placement.
+The benchmark scores placements on held-out tokens.
 
 Sizes: T tokens, L layers, k experts per token, E experts, P slots, W GPUs, N nodes.
 """
@@ -36,7 +38,7 @@ from .packing import refine_by_swaps, replica_weights, replicas_in_order
 def transitions_from_trace(trace: np.ndarray, num_experts: int, discount: float = 0.0) -> np.ndarray:
     """[T, L, k] expert ids -> [L-1, E, E] float64 counts of (expert at l, expert at l+1) pairs,
     all k x k pairs of each token; `discount` is subtracted from every nonzero count (floor 0)."""
-    trace = np.asarray(trace)
+    trace = np.asarray(trace, dtype=np.int64)
     T, L, k = trace.shape
     E = num_experts
     out = np.zeros((max(L - 1, 0), E, E))
@@ -51,7 +53,7 @@ def transitions_from_trace(trace: np.ndarray, num_experts: int, discount: float 
 
 def load_from_trace(trace: np.ndarray, num_experts: int) -> np.ndarray:
     """[T, L, k] expert ids -> [L, E] pairs routed to each expert."""
-    trace = np.asarray(trace)
+    trace = np.asarray(trace, dtype=np.int64)
     L = trace.shape[1]
     flat = (np.arange(L)[None, :, None] * num_experts + trace).ravel()
     return np.bincount(flat, minlength=L * num_experts).reshape(L, num_experts).astype(np.float64)
