@@ -28,7 +28,7 @@ class Dispatched:
     pair_index: torch.Tensor  # [M] flat pair index (t * k + j) of each sent row, in send order
     send_splits: list[int]  # [W] rows sent to each rank
     recv_splits: list[int]  # [W] rows received from each rank
-    arrival_to_segment: torch.Tensor  # [R] arrival-order index of each segment-order row
+    arrival_index: torch.Tensor  # [R] arrival-order index of each segment-order row
     slot_counts: torch.Tensor  # [P] pairs this rank sent to each slot (device)
     recv_counts: torch.Tensor  # [W, S] rows received from each rank for each local slot (device)
 
@@ -81,9 +81,9 @@ def dispatch(x_norm: torch.Tensor, assigned: torch.Tensor, rank: int, world_size
     # Arrival order is (source rank, local slot); the grouped GEMM wants (local slot, source rank).
     local_slot = torch.arange(slots_per_rank, device=x_norm.device).repeat(world_size)
     slot_of_row = torch.repeat_interleave(local_slot, recv_counts.reshape(-1))
-    arrival_to_segment = torch.argsort(slot_of_row, stable=True)
-    return Dispatched(recv_rows[arrival_to_segment], segment_counts, pair_index, send_splits, recv_splits,
-                      arrival_to_segment, slot_counts, recv_counts)
+    arrival_index = torch.argsort(slot_of_row, stable=True)
+    return Dispatched(recv_rows[arrival_index], segment_counts, pair_index, send_splits, recv_splits,
+                      arrival_index, slot_counts, recv_counts)
 
 
 def combine(expert_rows: torch.Tensor, sent: Dispatched, num_tokens: int, top_k: int, group=None) -> torch.Tensor:
@@ -92,7 +92,7 @@ def combine(expert_rows: torch.Tensor, sent: Dispatched, num_tokens: int, top_k:
     expert_rows [R, d] outputs in segment order (as `sent.rows`).
     """
     arrival = torch.empty_like(expert_rows)
-    arrival[sent.arrival_to_segment] = expert_rows
+    arrival[sent.arrival_index] = expert_rows
     back = expert_rows.new_empty(sent.pair_index.numel(), expert_rows.shape[1])
     _all_to_all(back, arrival, sent.send_splits, sent.recv_splits, group)
     pair_outputs = expert_rows.new_zeros(num_tokens * top_k, expert_rows.shape[1])
