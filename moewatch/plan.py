@@ -35,6 +35,9 @@ class Plan:
             raise PlanError("epoch", f"must be a non-negative integer, got {self.epoch!r}")
         object.__setattr__(self, "epoch", int(self.epoch))
         pmap = _int_matrix("physical_to_logical_map", self.physical_to_logical_map)
+        if np.any(pmap < 0):
+            layer, slot = map(int, np.argwhere(pmap < 0)[0])
+            raise PlanError("physical_to_logical_map", f"layer {layer} slot {slot}: negative expert id")
         cap = np.asarray(self.capacity_factor, dtype=np.float64) if _numeric(self.capacity_factor) else None
         if cap is None or cap.ndim != 1 or cap.shape[0] != pmap.shape[0]:
             raise PlanError("capacity_factor", f"expected one number per layer ({pmap.shape[0]})")

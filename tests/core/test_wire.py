@@ -120,6 +120,8 @@ def test_plan_validates_against_runtime_sizes():
     PLAN.check_against(num_layers=4, num_experts=16, num_slots=16, world_size=4)
     with pytest.raises(PlanError, match="shape"):
         PLAN.check_against(num_layers=4, num_experts=16, num_slots=20, world_size=4)
+    with pytest.raises(PlanError, match="negative expert id"):
+        Plan(1, [[0, -1]], [0.0])
     missing = Plan(1, np.zeros((1, 4), dtype=int), [0.0])
     with pytest.raises(PlanError, match="expert 1 has no slot"):
         missing.check_against(1, 2, 4, 2)
