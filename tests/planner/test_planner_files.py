@@ -79,7 +79,7 @@ def test_plans_round_trip_in_both_formats(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     ('{"experts": 1}', "physical_to_logical_map"),
-    ('{"physical_to_logical_map": [[0, -1]]}', "outside"),
+    ('{"physical_to_logical_map": [[0, -1]]}', "negative expert id"),
     ('{"physical_to_logical_map": [[0, 1]], "epoch": 1}', "capacity_factor"),
 ])
 def test_bad_plan_files(tmp_path, content, message):
