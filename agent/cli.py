@@ -72,6 +72,9 @@ def demo(seconds: float, as_json: bool, ranks: int, keep: str | None, listen: st
     except DemoError as exc:
         click.echo(f"moewatch: demo failed: {exc}", err=True)
         sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("moewatch: demo interrupted", err=True)
+        sys.exit(130)
     if as_json:
         click.echo(json.dumps(summary, indent=1, allow_nan=False))
 

@@ -42,7 +42,7 @@ DEMO_RUNTIME = {
 }
 # The agent reacts in seconds (a production default is minutes): the demo's drift comes every ~15 s.
 DEMO_AGENT = {
-    "mode": "act", "persist_windows": 4, "verify_windows": 3, "plan_interval_seconds": 1.0,
+    "mode": "act", "persist_windows": 6, "verify_windows": 3, "plan_interval_seconds": 1.0,
     "triage_interval_seconds": 0.2, "export_interval_seconds": 1.0, "cooldown_seconds": 8.0,
     "max_plans_per_hour": 120, "horizon_seconds": 300.0, "history_windows": 256,
     # The demo's experts are 128 x 512 float32 (x3 matrices), moved over shared memory.
@@ -164,6 +164,8 @@ def run_demo(seconds: float = 60.0, ranks: int = 4, folder: str | None = None, l
     work = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="moewatch-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     socket_path = str(work / "agent.sock")
+    if len(socket_path.encode()) > 100:  # sun_path holds 108 bytes
+        raise DemoError(f"--keep: {work} is too long a path for a unix socket inside it")
     cfg = build_config(flags={**DEMO_AGENT, "socket": socket_path, "listen": listen,
                               "audit_log": str(work / "audit.jsonl")}, environ={})
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")

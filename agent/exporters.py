@@ -150,7 +150,6 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
     steps = max(w.steps, 1)
     rank_load = tm.rank_load(w)
     max_min = tm.rank_load_max_min(w)
-    a2a_per_step = (w.dispatch_seconds + w.combine_seconds).mean(axis=1) / steps
     layer_gauges = {
         "moewatch_layer_a2a_share_ratio": "a2a_share",
         "moewatch_layer_dispatch_seconds": "dispatch_seconds_per_step",
@@ -181,7 +180,8 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
                 state.set(metric, layer, value)
         # None in the diagnosis means +Inf here (a rank that computed nothing).
         state.set("moewatch_layer_rank_load_max_min_ratio", layer, float(max_min[d.layer]))
-        state.observe("moewatch_layer_a2a_step_seconds", layer, [a2a_per_step[d.layer]])
+        # The group's all-to-all per step: the slowest rank's (a collective ends when its last rank does).
+        state.observe("moewatch_layer_a2a_step_seconds", layer, [m["a2a_seconds_per_step"]])
         state.inc("moewatch_layer_routed_pairs_total", layer, m["routed_pairs"])
         state.inc("moewatch_layer_dropped_pairs_total", layer, m["dropped_pairs"])
         state.inc("moewatch_layer_rerouted_pairs_total", layer, m["rerouted_pairs"])

@@ -52,8 +52,8 @@ class GroupStore:
 
     def __post_init__(self) -> None:
         self.history = deque(maxlen=self.history_windows)
-        # Bounded too: if triage falls behind, the oldest untriaged windows go first.
-        self.untriaged = deque(maxlen=self.history_windows)
+        # Bounded too: while the triage job is this far behind, new windows are refused ("backlog").
+        self.untriaged = deque()
 
     # --- connection lifecycle -----------------------------------------------------------------
     def on_hello(self, hello: Hello, connection_id: int) -> None:
@@ -97,6 +97,8 @@ class GroupStore:
             reason = self.check_window(w)
             if reason is not None:
                 return reason
+            if len(self.untriaged) >= self.history_windows:
+                return "backlog"
             self.last_end_time = w.end_time
             self.epoch_in_force = w.epoch
             self.max_epoch_seen = max(self.max_epoch_seen, w.epoch)

@@ -155,3 +155,15 @@ def test_broken_window_helper_really_breaks_an_invariant(helpers):
         assert exc.field in ("slot_tokens", "local_tokens", "received_tokens")
     else:
         raise AssertionError("the broken window was accepted")
+
+
+def test_store_refuses_windows_while_triage_is_behind(helpers):
+    from moewatch.agent.store import GroupStore
+
+    store = GroupStore(("m", "g"), history_windows=2)
+    store.on_hello(helpers.FakeRuntime("/unused").hello, connection_id=1)
+    pmap = helpers.contiguous(2, 8, 12)
+    windows = [helpers.make_window(helpers.hot_load(), pmap, 4, start_time=1000.0 + 10 * i) for i in range(4)]
+    assert [store.accept_window(w) for w in windows[:3]] == [None, None, "backlog"]
+    assert len(store.take_untriaged()) == 2
+    assert store.accept_window(windows[3]) is None
