@@ -200,8 +200,6 @@ def propose_placement(load: np.ndarray, current: np.ndarray, num_gpus: int, num_
 def fitted_cost_model(windows: Sequence[TriagedWindow], migration_bandwidth: float):
     """The planner's cost model fitted to the group's windows (parameters the windows cannot pin down
     keep the model's defaults); the defaults when the fit fails."""
-    from moewatch.planner import cost
-
     base = cost.CostModel(migration_bytes_per_second=migration_bandwidth)
     try:
         model, _ = cost.fit([t.window for t in windows], base)
@@ -219,38 +217,77 @@ def decide(view: GroupView, cfg, now: float) -> Proposal:
     if cfg.mode == "observe" or len(windows) < k:
         return Proposal([])
     evidence = windows[-k:]
-    latest = evidence[-1]
-    current_map = np.array(latest.window.physical_to_logical_map)
-    current_cap = np.array(latest.window.capacity_factor, dtype=np.float64)
+    latest = evidence[-1].window
+    current_map = np.array(latest.physical_to_logical_map)
+    current_cap = np.array(latest.capacity_factor, dtype=np.float64)
+    decisions, placement_layers, capacity_values = choose_levers(view, cfg, evidence, now)
+    placed, placement_decisions = placement_proposals(view, cfg, evidence, placement_layers, current_map)
+    capped, capacity_decisions = capacity_proposals(cfg, evidence, capacity_values, current_cap)
+    pending = placement_decisions + capacity_decisions
+    decisions += [d for d in pending if d.result == "skipped"]
+    pending = [d for d in pending if d.result == "proposed"]
+    if not pending:
+        return Proposal(decisions)
+    recent = [t for t in view.plan_times if now - t < 3600.0]
+    if cfg.mode == "act" and len(recent) >= cfg.max_plans_per_hour:
+        decisions += [Decision(d.kind, d.layers, "skipped", f"rate limit: {len(recent)} plans in the last hour "
+                               f"(max {cfg.max_plans_per_hour}); would have: {d.reason}", d.before, d.after)
+                      for d in pending]
+        return Proposal(decisions)
+    result = "recommended" if cfg.mode == "recommend" else "proposed"
+    decisions += [Decision(d.kind, d.layers, result, d.reason, d.before, d.after) for d in pending]
+    new_map, new_cap = current_map.copy(), current_cap.copy()
+    kinds: dict[int, str] = {}
+    for layer, (row, kind) in placed.items():
+        new_map[layer] = row
+        kinds[layer] = kind
+    for layer, value in capped.items():
+        new_cap[layer] = value
+        kinds.setdefault(layer, "capacity")
+    baseline = {layer: make_baseline(evidence, layer, current_map[layer], float(current_cap[layer]), view.num_gpus)
+                for layer in kinds}
+    summary = "; ".join(f"layer {layer}: {kind}" for layer, kind in sorted(kinds.items()))
+    return Proposal(decisions, new_map, new_cap, tuple(sorted(kinds)), baseline, summary)
+
+
+def _label(verdict: str, cause: str | None) -> str:
+    return verdict + (f"/{cause}" if cause else "")
+
+
+def choose_levers(view: GroupView, cfg, evidence: Sequence[TriagedWindow], now: float
+                  ) -> tuple[list[Decision], dict[int, str], dict[int, tuple[float, bool]]]:
+    """Steps 1-3: which layers have a persistent verdict and a lever the agent may pull.
+    Returns (skipped or recommend-only decisions, {layer: placement kind}, {layer: (capacity, lossy)})."""
+    k = len(evidence)
+    latest = evidence[-1].diagnosis
     verdicts = persistent_verdicts(evidence, k)
     overflowing = persistent_overflow(evidence, k)
     decisions: list[Decision] = []
-    placement_layers: dict[int, str] = {}  # layer -> the triage's action kind
-    capacity_values: dict[int, tuple[float, bool]] = {}
+    placement: dict[int, str] = {}
+    capacity: dict[int, tuple[float, bool]] = {}
 
-    def skip(kind: str, layers: Sequence[int], reason: str, before=None, after=None) -> None:
-        decisions.append(Decision(kind, tuple(layers), "skipped", reason, before or {}, after or {}))
+    def skip(kind: str, layer: int, reason: str) -> None:
+        decisions.append(Decision(kind, (layer,), "skipped", reason))
 
     for layer in sorted(set(verdicts) | set(overflowing)):
-        diag = latest.diagnosis.layers[layer]
-        verdict, cause = verdicts.get(layer, (diag.verdict, diag.cause))
-        label = (verdict + (f"/{cause}" if cause else "") if layer in verdicts else "overflow") + \
+        diag = latest.layers[layer]
+        label = (_label(*verdicts[layer]) if layer in verdicts else "overflow") + \
             (" with overflow" if layer in verdicts and layer in overflowing else "")
         first = {kind: next((a for a in diag.actions if a.kind == kind and not a.params.get("lossy")), None)
                  for kind in ("replicate", "placement", "capacity", "batch")}
         lossy_cap = next((a for a in diag.actions if a.kind == "capacity" and a.params.get("lossy")), None)
         since = view.last_change.get(layer)
         if since is not None and now - since < cfg.cooldown_seconds:
-            kind = next((a.kind for a in diag.actions), "placement")
-            skip(kind, [layer], f"{label}: layer in cooldown for another {cfg.cooldown_seconds - (now - since):.0f} s")
+            skip(next((a.kind for a in diag.actions), "placement"), layer,
+                 f"{label}: layer in cooldown for another {cfg.cooldown_seconds - (now - since):.0f} s")
             continue
         if layer in verdicts:
-            placement = first["replicate"] or first["placement"]
-            if placement is not None:
+            lever = first["replicate"] or first["placement"]
+            if lever is not None:
                 if "plan" in view.capabilities:
-                    placement_layers[layer] = placement.kind
+                    placement[layer] = lever.kind
                 else:
-                    skip(placement.kind, [layer], f"{label}: the runtime does not apply placement plans")
+                    skip(lever.kind, layer, f"{label}: the runtime does not apply placement plans")
             elif first["batch"] is not None:
                 action = first["batch"]
                 decisions.append(Decision(
@@ -261,111 +298,109 @@ def decide(view: GroupView, cfg, now: float) -> Proposal:
                     {"predicted_gain": round(action.predicted_gain, 4)}))
             elif lossy_cap is not None and layer not in overflowing:
                 if not cfg.allow_lossy_capacity:
-                    skip("capacity", [layer], f"{label}: the only action is a lossy cap at capacity factor "
+                    skip("capacity", layer, f"{label}: the only action is a lossy cap at capacity factor "
                          f"{lossy_cap.params['value']:g} (drops pairs); set allow_lossy_capacity to allow it")
                 elif "capacity" in view.capabilities:
-                    capacity_values[layer] = (float(lossy_cap.params["value"]), True)
+                    capacity[layer] = (float(lossy_cap.params["value"]), True)
                 else:
-                    skip("capacity", [layer], f"{label}: the runtime does not take a capacity factor")
+                    skip("capacity", layer, f"{label}: the runtime does not take a capacity factor")
             else:
-                skip("placement", [layer], f"{label} for {k} windows but the triage names no action to take")
+                skip("placement", layer, f"{label} for {k} windows but the triage names no action to take")
         if layer in overflowing and first["capacity"] is not None:
             if "capacity" in view.capabilities:
-                capacity_values[layer] = (float(first["capacity"].params["value"]), False)
+                capacity[layer] = (float(first["capacity"].params["value"]), False)
             else:
-                skip("capacity", [layer], f"{label}: the runtime does not take a capacity factor")
+                skip("capacity", layer, f"{label}: the runtime does not take a capacity factor")
+    return decisions, placement, capacity
 
-    new_map = current_map.copy()
-    new_cap = current_cap.copy()
-    accepted: dict[int, str] = {}
-    baseline: dict[int, LayerBaseline] = {}
-    pending: list[Decision] = []
+
+def placement_proposals(view: GroupView, cfg, evidence: Sequence[TriagedWindow], layers: dict[int, str],
+                        current_map: np.ndarray) -> tuple[dict[int, tuple[np.ndarray, str]], list[Decision]]:
+    """Steps 4-5 for the layers that want a placement change: the planner's proposal, through the
+    cost gate. Returns ({layer: (new [P] row, kind)}, proposed and skipped decisions)."""
+    if not layers:
+        return {}, []
+    k = len(evidence)
+    latest = evidence[-1]
+    verdicts = persistent_verdicts(evidence, k)
     load = computed_load(evidence)
+    proposed = propose_placement(load, current_map, view.num_gpus, view.num_nodes, cfg.max_replicas_per_expert)
     model_before = pm.balancedness(load, current_map, view.num_gpus)
+    model_after = pm.balancedness(load, proposed, view.num_gpus)
+    moved = pm.experts_moved(current_map, proposed)
+    counts_before = pm.replica_counts_of(current_map, view.num_experts)
+    counts_after = pm.replica_counts_of(proposed, view.num_experts)
+    rate = steps_per_second(evidence)
+    # The planner's cost model, fitted to this group's windows, predicts each layer's time per step
+    # under either placement and the stall of moving the slots that change.
+    model = fitted_cost_model(view.fit_windows or view.windows, cfg.migration_bandwidth_bytes_per_second)
+    hidden = latest.window.hidden_bytes
+    t_before = cost.layer_seconds(model, load, current_map, view.num_gpus, hidden, view.num_nodes)["total"]
+    t_after = cost.layer_seconds(model, load, proposed, view.num_gpus, hidden, view.num_nodes)["total"]
+    rows: dict[int, tuple[np.ndarray, str]] = {}
+    decisions: list[Decision] = []
+    for layer in layers:
+        kind = "replicate" if not np.array_equal(counts_before[layer], counts_after[layer]) else "placement"
+        gain = max(0.0, float(t_before[layer] - t_after[layer])) * rate * cfg.horizon_seconds
+        stall = cost.migration_stall(model, np.array([moved[layer]]), cfg.expert_bytes)["stall_seconds"]
+        if view.observed_stall_per_slot is not None:
+            stall = max(stall, view.observed_stall_per_slot * int(moved[layer]))
+        hot = latest.diagnosis.layers[layer].metrics["hot_experts"]
+        verdict = _label(*verdicts[layer])
+        before = {"verdict": verdict, "balancedness": round(_mean_metric(evidence, layer, "balancedness"), 4),
+                  "model_balancedness": round(float(model_before[layer]), 4),
+                  "layer_seconds_per_step": _mean_metric(evidence, layer, "layer_seconds_per_step"),
+                  "model_layer_seconds_per_step": float(t_before[layer]),
+                  "replicas": {int(e): int(counts_before[layer, e]) for e in hot}}
+        after = {"model_balancedness": round(float(model_after[layer]), 4),
+                 "model_layer_seconds_per_step": float(t_after[layer]),
+                 "replicas": {int(e): int(counts_after[layer, e]) for e in hot},
+                 "slots_moved": int(moved[layer]), "predicted_stall_seconds": stall,
+                 "predicted_gain_seconds": gain, "horizon_seconds": cfg.horizon_seconds}
+        if moved[layer] == 0 or model_after[layer] < model_before[layer] + cfg.min_balancedness_gain:
+            reason = (f"the planner finds no placement better by {cfg.min_balancedness_gain:g} "
+                      f"(model balancedness {model_before[layer]:.3f} -> {model_after[layer]:.3f})")
+            decisions.append(Decision(kind, (layer,), "skipped", reason, before, after))
+        elif gain <= cfg.gain_margin * stall:
+            reason = (f"does not pay: {gain:.3f} s saved over {cfg.horizon_seconds:g} s <= {cfg.gain_margin:g} x "
+                      f"{stall:.3f} s stall moving {int(moved[layer])} slots")
+            decisions.append(Decision(kind, (layer,), "skipped", reason, before, after))
+        else:
+            what = (f"hot expert{'s' if len(hot) > 1 else ''} {', '.join(map(str, hot))} "
+                    if kind == "replicate" and hot else "")
+            reason = (f"{verdict} for {k} windows: {kind} {what}-> balancedness {model_before[layer]:.3f} -> "
+                      f"{model_after[layer]:.3f} (model); gain {gain:.2f} s over {cfg.horizon_seconds:g} s vs stall "
+                      f"{stall:.3f} s")
+            decisions.append(Decision(kind, (layer,), "proposed", reason, before, after))
+            rows[layer] = (proposed[layer], kind)
+    return rows, decisions
 
-    if placement_layers:
-        proposed = propose_placement(load, current_map, view.num_gpus, view.num_nodes, cfg.max_replicas_per_expert)
-        model_after = pm.balancedness(load, proposed, view.num_gpus)
-        moved = pm.experts_moved(current_map, proposed)
-        counts_before = pm.replica_counts_of(current_map, view.num_experts)
-        counts_after = pm.replica_counts_of(proposed, view.num_experts)
-        rate = steps_per_second(evidence)
-        # The planner's cost model, fitted to this group's windows, predicts each layer's time per
-        # step under either placement and the stall of moving the slots that change.
-        model = fitted_cost_model(view.fit_windows or windows, cfg.migration_bandwidth_bytes_per_second)
-        hidden = latest.window.hidden_bytes
-        t_before = cost.layer_seconds(model, load, current_map, view.num_gpus, hidden, view.num_nodes)["total"]
-        t_after = cost.layer_seconds(model, load, proposed, view.num_gpus, hidden, view.num_nodes)["total"]
-        for layer in placement_layers:
-            kind = "replicate" if not np.array_equal(counts_before[layer], counts_after[layer]) else "placement"
-            seconds = _mean_metric(evidence, layer, "layer_seconds_per_step")
-            measured = _mean_metric(evidence, layer, "balancedness")
-            saved_per_step = max(0.0, float(t_before[layer] - t_after[layer]))
-            gain = saved_per_step * rate * cfg.horizon_seconds
-            stall = cost.migration_stall(model, np.array([moved[layer]]), cfg.expert_bytes)["stall_seconds"]
-            if view.observed_stall_per_slot is not None:
-                stall = max(stall, view.observed_stall_per_slot * int(moved[layer]))
-            hot = latest.diagnosis.layers[layer].metrics["hot_experts"]
-            before = {"balancedness": round(measured, 4), "model_balancedness": round(float(model_before[layer]), 4),
-                      "layer_seconds_per_step": seconds, "model_layer_seconds_per_step": float(t_before[layer]),
-                      "replicas": {int(e): int(counts_before[layer, e]) for e in hot},
-                      "verdict": "/".join(filter(None, verdicts.get(layer, ("", None))))}
-            after = {"model_balancedness": round(float(model_after[layer]), 4),
-                     "model_layer_seconds_per_step": float(t_after[layer]),
-                     "replicas": {int(e): int(counts_after[layer, e]) for e in hot},
-                     "slots_moved": int(moved[layer]), "predicted_stall_seconds": stall,
-                     "predicted_gain_seconds": gain, "horizon_seconds": cfg.horizon_seconds}
-            if moved[layer] == 0 or model_after[layer] < model_before[layer] + cfg.min_balancedness_gain:
-                skip(kind, [layer], f"the planner finds no placement better by {cfg.min_balancedness_gain:g} "
-                     f"(model balancedness {model_before[layer]:.3f} -> {model_after[layer]:.3f})", before, after)
-                continue
-            if gain <= cfg.gain_margin * stall:
-                skip(kind, [layer], f"does not pay: {gain:.3f} s saved over {cfg.horizon_seconds:g} s "
-                     f"<= {cfg.gain_margin:g} x {stall:.3f} s stall moving {int(moved[layer])} slots", before, after)
-                continue
-            new_map[layer] = proposed[layer]
-            accepted[layer] = kind
-            reason = (f"{before['verdict']} for {k} windows: {kind} "
-                      + (f"hot expert{'s' if len(hot) > 1 else ''} {', '.join(map(str, hot))} " if kind == "replicate"
-                         and hot else "")
-                      + f"-> balancedness {model_before[layer]:.3f} -> {model_after[layer]:.3f} (model); "
-                      f"gain {gain:.2f} s over {cfg.horizon_seconds:g} s vs stall {stall:.3f} s")
-            pending.append(Decision(kind, (layer,), "proposed", reason, before, after))
 
-    for layer, (value, lossy) in capacity_values.items():
+def capacity_proposals(cfg, evidence: Sequence[TriagedWindow], values: dict[int, tuple[float, bool]],
+                       current_cap: np.ndarray) -> tuple[dict[int, float], list[Decision]]:
+    """Step 6: each wanted capacity factor, bounded. Returns ({layer: value}, decisions)."""
+    k = len(evidence)
+    out: dict[int, float] = {}
+    decisions: list[Decision] = []
+    for layer, (value, lossy) in values.items():
         current = float(current_cap[layer])
         clamped = min(max(value, cfg.capacity_factor_min), cfg.capacity_factor_max)
         before = {"capacity_factor": current, "overflow_rate": _mean_metric(evidence, layer, "overflow_rate")}
         after = {"capacity_factor": clamped, "suggested": value}
         if current == 0.0 and not lossy:
-            skip("capacity", [layer], "the layer is dropless: no capacity factor to raise", before, after)
-            continue
-        if not lossy and clamped <= current:
-            skip("capacity", [layer], f"capacity factor already {current:g}, at the bound "
-                 f"[{cfg.capacity_factor_min:g}, {cfg.capacity_factor_max:g}] (suggested {value:g})", before, after)
-            continue
-        new_cap[layer] = clamped
-        accepted.setdefault(layer, "capacity")
-        pending.append(Decision("capacity", (layer,), "proposed",
-                                f"overflow {before['overflow_rate']:.1%} for {k} windows: capacity factor "
-                                f"{current:g} -> {clamped:g}" + (f" (suggested {value:g}, bounded)" if clamped != value else ""),
-                                before, after))
-
-    if not pending:
-        return Proposal(decisions)
-    recent = [t for t in view.plan_times if now - t < 3600.0]
-    if cfg.mode == "act" and len(recent) >= cfg.max_plans_per_hour:
-        for d in pending:
-            skip(d.kind, d.layers, f"rate limit: {len(recent)} plans in the last hour (max "
-                 f"{cfg.max_plans_per_hour}); would have: {d.reason}", d.before, d.after)
-        return Proposal(decisions)
-    result = "recommended" if cfg.mode == "recommend" else "proposed"
-    decisions.extend(Decision(d.kind, d.layers, result, d.reason, d.before, d.after) for d in pending)
-    for layer in accepted:
-        baseline[layer] = make_baseline(evidence, layer, current_map[layer], float(current_cap[layer]),
-                                        view.num_gpus)
-    summary = "; ".join(f"layer {layer}: {kind}" for layer, kind in sorted(accepted.items()))
-    return Proposal(decisions, new_map, new_cap, tuple(sorted(accepted)), baseline, summary)
+            decisions.append(Decision("capacity", (layer,), "skipped",
+                                      "the layer is dropless: no capacity factor to raise", before, after))
+        elif not lossy and clamped <= current:
+            decisions.append(Decision("capacity", (layer,), "skipped",
+                                      f"capacity factor already {current:g}, at the bound [{cfg.capacity_factor_min:g}, "
+                                      f"{cfg.capacity_factor_max:g}] (suggested {value:g})", before, after))
+        else:
+            out[layer] = clamped
+            bounded = f" (suggested {value:g}, bounded)" if clamped != value else ""
+            decisions.append(Decision("capacity", (layer,), "proposed",
+                                      f"overflow {before['overflow_rate']:.1%} for {k} windows: capacity factor "
+                                      f"{current:g} -> {clamped:g}{bounded}", before, after))
+    return out, decisions
 
 
 # --- verify -------------------------------------------------------------------------------------------
