@@ -88,6 +88,7 @@ class OtelBridge:
         except ValueError:
             pass
         try:
-            self.provider.shutdown()
+            # A collector that is down must not hold the agent's shutdown for the exporter's full retry.
+            self.provider.shutdown(timeout_millis=3000)
         except Exception as exc:  # a push that fails at exit must not stop the shutdown
             log.warning("OpenTelemetry shutdown: %s", exc)

@@ -93,3 +93,36 @@ def test_opentelemetry_carries_the_same_quantities(start_agent, helpers):
     assert otel == [prom]
     hist = points["moewatch_layer_expert_load_share"].data.data_points
     assert sum(p.count for p in hist) == 3 * 4 * 16  # one observation per expert per layer per window
+
+
+def test_otlp_push_when_an_endpoint_is_configured(start_agent, helpers):
+    """With otlp_endpoint set, the agent pushes OTLP/HTTP (protobuf) to it on its interval."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    received = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, self.headers["Content-Type"], body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        daemon = start_agent(otlp_endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/metrics",
+                             otlp_interval_seconds=1)
+        drive(daemon, helpers, 1)
+        assert helpers.wait_for(lambda: any(b"moewatch_layer_balancedness_ratio" in r[2] for r in received),
+                                timeout=15)
+        path, ctype, _ = received[-1]
+        assert path == "/v1/metrics" and ctype == "application/x-protobuf"
+        daemon.stop()  # the final push still finds the collector
+    finally:
+        server.shutdown()
