@@ -5,7 +5,9 @@ detached (ABBA order, so a drift in machine load hits both sides alike); both bl
 the same batches. The probe-on steps of a window (its flush included: the all_reduce, building and
 validating the Window, handing it over) are compared with the probe-off steps interleaved with them.
 A step's time is that of its slowest rank. overhead_ratio = the median over windows of (probe-on
-time / probe-off time); the ratio of the overall means is reported beside it.
+time / probe-off time); the ratio of the overall means is reported beside it, and so is the time
+spent inside the probe's own calls per step over the probe-off step time (self_time_ratio): a
+second, low-noise figure on the CPU, where all the probe's work is host work.
 """
 
 from __future__ import annotations
@@ -23,6 +25,33 @@ import torch
 from .config import ConfigError, RuntimeConfig, validate
 
 
+class _SelfTimedProbe:
+    """Forwards to the probe and sums the time spent inside its calls: the probe's own work is host
+    work on the CPU, so this is a low-noise second figure for what it adds to a step."""
+
+    def __init__(self, probe):
+        self.probe = probe
+        self.seconds = 0.0
+
+    def _timed(self, method, *args):
+        t0 = time.perf_counter()
+        out = method(*args)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def begin_step(self, num_tokens):
+        return self._timed(self.probe.begin_step, num_tokens)
+
+    def mark(self, layer, mark):
+        return self._timed(self.probe.mark, layer, mark)
+
+    def record_layer(self, *args):
+        return self._timed(self.probe.record_layer, *args)
+
+    def end_step(self):
+        return self._timed(self.probe.end_step)
+
+
 def _bench_rank(rank: int, world_size: int, cfg: RuntimeConfig, windows_measured: int, block: int, window: int,
                 warmup: int) -> dict:
     from .engine import EPEngine
@@ -37,9 +66,10 @@ def _bench_rank(rank: int, world_size: int, cfg: RuntimeConfig, windows_measured
     engine = EPEngine(cfg, rank, world_size, device=device, probe=probe)
     probe.set_placement(engine.epoch, engine.placement, engine.capacity)
     workload = Workload(cfg, rank)
+    timed = _SelfTimedProbe(probe)
 
     def run_block(with_probe: bool, first_step: int) -> list[float]:
-        engine.probe = probe if with_probe else None
+        engine.probe = timed if with_probe else None
         times = []
         for step in range(first_step, first_step + block):
             batch = workload.batch(step)
@@ -48,10 +78,10 @@ def _bench_rank(rank: int, world_size: int, cfg: RuntimeConfig, windows_measured
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             if with_probe:
-                probe.begin_step(batch.num_tokens)
+                timed.begin_step(batch.num_tokens)
             engine.forward(x, batch.valid, batch.expert_ids)
             if with_probe:
-                probe.end_step()
+                timed.end_step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
@@ -62,6 +92,7 @@ def _bench_rank(rank: int, world_size: int, cfg: RuntimeConfig, windows_measured
         run_block(False, i * block)
     while probe.steps_pending:  # start measuring on a window boundary
         run_block(True, 0)
+    timed.seconds = 0.0
     on: list[list[float]] = []
     off: list[list[float]] = []
     for i in range(windows_measured * (window // block)):
@@ -69,7 +100,8 @@ def _bench_rank(rank: int, world_size: int, cfg: RuntimeConfig, windows_measured
         order = (True, False) if i % 2 == 0 else (False, True)
         for with_probe in order:
             (on if with_probe else off).append(run_block(with_probe, (i + 1000) * block))
-    return {"on": on, "off": off, "windows": len(windows), "invalid": probe.windows_invalid}
+    return {"on": on, "off": off, "windows": len(windows), "invalid": probe.windows_invalid,
+            "probe_seconds": timed.seconds}
 
 
 def measure(cfg: RuntimeConfig, windows: int, block: int, window: int, warmup: int) -> dict:
@@ -88,6 +120,9 @@ def measure(cfg: RuntimeConfig, windows: int, block: int, window: int, warmup: i
         "overhead_ratio": float(np.median(window_ratios)),
         "overhead_ratio_of_means": float(on.mean() / off.mean()),
         "overhead_ratio_p10_p90": [float(np.percentile(window_ratios, 10)), float(np.percentile(window_ratios, 90))],
+        # Time inside the probe's calls per probe-on step (the busiest rank), over the probe-off step.
+        "probe_seconds_per_step": max(r["probe_seconds"] for r in per_rank) / on.size,
+        "self_time_ratio": 1.0 + max(r["probe_seconds"] for r in per_rank) / on.size / float(off.mean()),
         "step_mean_s_probe_on": float(on.mean()),
         "step_mean_s_probe_off": float(off.mean()),
         "step_p50_s_probe_on": float(np.median(on)),
