@@ -267,7 +267,11 @@ def choose_levers(view: GroupView, cfg, evidence: Sequence[TriagedWindow], now: 
     capacity: dict[int, tuple[float, bool]] = {}
 
     def skip(kind: str, layer: int, reason: str) -> None:
-        decisions.append(Decision(kind, (layer,), "skipped", reason))
+        m = latest.layers[layer].metrics
+        numbers = {"balancedness": round(_mean_metric(evidence, layer, "balancedness"), 4),
+                   "a2a_share": m["a2a_share"], "rank_load_max_mean": m["rank_load_max_mean"],
+                   "overflow_rate": m["overflow_rate"], "hot_experts": m["hot_experts"]}
+        decisions.append(Decision(kind, (layer,), "skipped", reason, numbers))
 
     for layer in sorted(set(verdicts) | set(overflowing)):
         diag = latest.layers[layer]

@@ -188,3 +188,13 @@ def test_verify_rolls_back_a_layer_that_got_slower(helpers):
     assert outcome.status == "rollback" and "expected with the old placement" in outcome.reason
     n = outcome.numbers[0]
     assert n["layer_seconds_after"] > n["layer_seconds_old_map_same_load"] * 1.25
+
+
+def test_every_skipped_decision_carries_numbers(helpers):
+    windows = triaged(helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 3)
+    for proposal in (policy.decide(view(windows, last_change={0: 100.0, 1: 100.0}), cfg(), now=150.0),
+                     policy.decide(view(windows, capabilities=frozenset()), cfg(), 0.0),
+                     policy.decide(view(windows), cfg(expert_bytes=10**12, horizon_seconds=10), 0.0)):
+        assert proposal.decisions and all(d.result == "skipped" for d in proposal.decisions)
+        assert all(d.before.get("balancedness", d.before.get("model_balancedness")) is not None
+                   for d in proposal.decisions)
