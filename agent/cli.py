@@ -42,11 +42,11 @@ def agent(config_path: str | None, print_config: bool, **flags) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.log_level != "debug":  # APScheduler logs every run at INFO: twice a second is noise
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    from .daemon import Daemon
+    from .daemon import Daemon, StartupError
 
     try:
         code = Daemon(cfg).run_forever()
-    except (FileExistsError, PermissionError, OSError) as exc:
+    except StartupError as exc:
         # Startup problems an operator fixes (socket in use, port taken, unwritable paths): one line.
         fail_input(str(exc))
     sys.exit(code)

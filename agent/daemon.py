@@ -36,6 +36,14 @@ log = logging.getLogger("moewatch.agent")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class StartupError(Exception):
+    """The agent cannot start; the message names the setting at fault (socket, listen, audit_log)."""
+
+
+def _named(setting: str, value: str, exc: OSError) -> StartupError:
+    return StartupError(f"{setting}: {value}: {exc.strerror or exc}")
+
+
 class Daemon:
     def __init__(self, cfg: AgentConfig, otel_readers: Iterable[Any] = (), notifier: SystemdNotifier | None = None):
         self.cfg = cfg
@@ -62,7 +70,10 @@ class Daemon:
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Daemon":
         cfg = self.cfg
-        self.audit = AuditLog(cfg.audit_log)
+        try:
+            self.audit = AuditLog(cfg.audit_log)
+        except OSError as exc:
+            raise _named("audit_log", cfg.audit_log, exc) from None
         init_static(self.metrics, cfg.mode)
         if cfg.otlp_endpoint or self._otel_readers:
             from .otel import OtelBridge
@@ -74,10 +85,18 @@ class Daemon:
                                  on_message=self.handle_message, on_reject=self._on_reject,
                                  on_frame=lambda t: self.metrics.inc("moewatch_frames_received_total", (t,)),
                                  on_disconnect=self._on_disconnect)
-        self.receiver.start()
+        try:
+            self.receiver.start()
+        except FileExistsError as exc:
+            raise StartupError(str(exc)) from None
+        except OSError as exc:
+            raise _named("socket", cfg.socket, exc) from None
         host, port = cfg.listen_address
-        self.web = WebServer(host, port, {"/metrics": self._metrics_route, "/healthz": self._healthz,
-                                          "/readyz": self._readyz, "/status": self._status_route})
+        try:
+            self.web = WebServer(host, port, {"/metrics": self._metrics_route, "/healthz": self._healthz,
+                                              "/readyz": self._readyz, "/status": self._status_route})
+        except OSError as exc:
+            raise _named("listen", cfg.listen, exc) from None
         self.web.start()
         self.health.liveness["scheduler"] = lambda: Check("scheduler", self.jobs.running,
                                                           "" if self.jobs.running else "scheduler stopped")

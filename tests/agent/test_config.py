@@ -123,3 +123,20 @@ def test_config_is_frozen():
     cfg = AgentConfig(socket="/tmp/a.sock", audit_log="/tmp/a.jsonl")
     with pytest.raises(Exception):
         cfg.mode = "act"
+
+
+def test_startup_problems_name_the_setting(tmp_path):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    base = ["agent", "--socket", str(tmp_path / "a.sock"), "--audit-log", str(tmp_path / "audit.jsonl")]
+    busy = run_cli(*base, "--listen", f"127.0.0.1:{port}")
+    assert busy.returncode == 2
+    assert busy.stderr.strip().splitlines()[-1] == f"moewatch: error: listen: 127.0.0.1:{port}: Address already in use"
+    nowhere = run_cli("agent", "--socket", "/proc/nowhere/a.sock", "--listen", "127.0.0.1:0",
+                      "--audit-log", str(tmp_path / "audit.jsonl"))
+    assert nowhere.returncode == 2 and "moewatch: error: socket: /proc/nowhere/a.sock:" in nowhere.stderr
+    taken.close()
