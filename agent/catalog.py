@@ -101,8 +101,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moewatch_frames_received_total", "counter", ("type",), "Frames received, by type."),
     MetricSpec("moewatch_frames_rejected_total", "counter", ("reason",),
                "Frames rejected (malformed, oversized, out_of_order, stale_epoch, invalid_window...)."),
-    MetricSpec("moewatch_job_errors_total", "counter", ("job",), "Scheduled job runs that raised."),
-    MetricSpec("moewatch_job_misfires_total", "counter", ("job",), "Scheduled job runs missed."),
+    MetricSpec("moewatch_job_errors_total", "counter", ("task",), "Scheduled job runs that raised."),
+    MetricSpec("moewatch_job_misfires_total", "counter", ("task",), "Scheduled job runs missed."),
     MetricSpec("moewatch_agent_mode", "gauge", ("mode",), "1 for the agent's mode (observe, recommend, act)."),
     MetricSpec("moewatch_agent_info", "gauge", ("version",), "Always 1; carries the agent's version."),
 )

@@ -345,13 +345,13 @@ def agent_health() -> dash_b.Dashboard:
         "Age of the newest window", "MoewatchTelemetryStale fires above 5 minutes.", "s",
         [query("group:moewatch_last_window:age_seconds", "{{model}}/{{ep_group}}", "A")], limit=300).min(0)
     # The catalogue labels these counters `job` (the scheduled job); Prometheus keeps its own target
-    # label `job` and renames the exported one to `exported_job` (honor_labels: false, the default).
+    # label `job` and renames the exported one to `task` (honor_labels: false, the default).
     jobs = series_panel(
         "Job errors and misfires", "Scheduled job runs that raised or were missed (never fatal).", "short",
-        [query(f"sum by (exported_job) (increase(moewatch_job_errors_total{{{inst}}}[$__rate_interval]))",
-               "{{exported_job}} errors", "A"),
-         query(f"sum by (exported_job) (increase(moewatch_job_misfires_total{{{inst}}}[$__rate_interval]))",
-               "{{exported_job}} misfires", "B")])
+        [query(f"sum by (task) (increase(moewatch_job_errors_total{{{inst}}}[$__rate_interval]))",
+               "{{task}} errors", "A"),
+         query(f"sum by (task) (increase(moewatch_job_misfires_total{{{inst}}}[$__rate_interval]))",
+               "{{task}} misfires", "B")])
     expert_cap = series_panel(
         "Per-expert series left out", "Per-expert series the cap kept out of /metrics.", "short",
         [query(f"max by (model, ep_group) (moewatch_expert_series_dropped{{{inst}}})", "{{model}}/{{ep_group}}", "A")])
