@@ -1,8 +1,8 @@
 """`moewatch bench probe`: what the probe costs the forward step, measured on the runtime itself.
 
-One spawned EP group, one model. Short blocks of steps run alternately with the probe attached and
-detached (ABBA order, so a drift in machine load hits both sides alike); both blocks of a pair replay
-the same batches. The probe-on steps of a window (its flush included: the all_reduce, building and
+One spawned EP group, one model. Steps (or short blocks of them) run alternately with the probe
+attached and detached (ABBA order, so a drift in machine load hits both sides alike); both sides of a
+pair replay the same batch, one right after the other. The probe-on steps of a window (its flush included: the all_reduce, building and
 validating the Window, handing it over) are compared with the probe-off steps interleaved with them.
 A step's time is that of its slowest rank. overhead_ratio = the median over windows of (probe-on
 time / probe-off time); the ratio of the overall means is reported beside it, and so is the time
@@ -151,7 +151,7 @@ def measure(cfg: RuntimeConfig, windows: int, block: int, window: int, warmup: i
 @click.option("--windows", type=int, default=12, show_default=True, help="Windows' worth of steps measured each way.")
 @click.option("--window-steps", "window_steps", type=int, default=50, show_default=True,
               help="Steps per Window (the runtime's default is 50).")
-@click.option("--block-steps", "block_steps", type=int, default=10, show_default=True,
+@click.option("--block-steps", "block_steps", type=int, default=1, show_default=True,
               help="Steps run in a row before switching the probe on or off (divides --window-steps).")
 @click.option("--warmup-steps", "warmup_steps", type=int, default=20, show_default=True)
 @click.option("--kernel", type=click.Choice(["torch", "triton"]), default="torch", show_default=True)
