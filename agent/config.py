@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import yaml
-
-from moewatch.thresholds import ConfigError, Thresholds
+from moewatch.thresholds import ConfigError, Thresholds, read_yaml_mapping
 
 MODES = ("observe", "recommend", "act")
 ACTUATORS = ("runtime", "sglang")
@@ -252,16 +250,7 @@ def _from_source(raw: Mapping[str, Any], where: Callable[[str], str]) -> tuple[d
 
 def load_yaml(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The YAML file's agent fields and thresholds (both checked by name)."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
-    if data is None:
-        return {}, {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of settings")
+    data = read_yaml_mapping(path, "a mapping of settings")
     nested = data.pop("thresholds", None) or {}
     if not isinstance(nested, dict):
         raise ConfigError(f"{path}: thresholds: expected a mapping of threshold names to numbers")

@@ -98,16 +98,7 @@ class Thresholds:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Thresholds":
-        try:
-            data = yaml.safe_load(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of threshold names to numbers")
+        data = read_yaml_mapping(path, "a mapping of threshold names to numbers")
         if "thresholds" in data:
             data = data["thresholds"] or {}
             if not isinstance(data, dict):
@@ -123,6 +114,21 @@ class Thresholds:
         """Every threshold with its default, source and meaning (for docs and `--help`)."""
         return [{"name": f.name, "default": f.default, "source": f.metadata["source"], "help": f.metadata["help"]}
                 for f in dataclasses.fields(cls)]
+
+
+def read_yaml_mapping(path: str | Path, expected: str) -> dict[str, Any]:
+    """A YAML file's top-level mapping ({} for an empty file); ConfigError names the file otherwise."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected {expected}")
+    return data
 
 
 def thresholds_options(command: Callable) -> Callable:
