@@ -187,12 +187,13 @@ class Probe:
             raise ValueError("window_steps: give window_steps, window_seconds or both")
         self.sinks = list(sinks)
         L, E, P = config.num_layers, config.num_experts, config.num_slots
-        self._width = 3 * E + P  # routed | dropped | rerouted | slots
+        self._width = E + P + 2 * E  # routed | slots | dropped | rerouted
         self._counts = torch.zeros(L, self._width, dtype=torch.int64, device=self.device)
-        # Recorded tensors wait here and are summed a batch of steps at a time: a list append per
-        # layer instead of two kernel launches (what a launch costs is what matters on a GPU).
-        self._pending: list[list[tuple]] = [[] for _ in range(L)]
+        # Recorded tensors wait here and are summed a batch of steps at a time, a few kernel
+        # launches per batch instead of two per layer and step (launches are what cost on a GPU).
+        self._pending: list[tuple] = []  # (layer, expert_counts, slot_counts, dropped, rerouted)
         self._pending_steps = 0
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._timer = _EventTimer(L, self.device) if self.device.type == "cuda" else _HostTimer(L)
         self.mark = self._timer.mark  # the hottest call: no extra Python frame in between
         self._step_tokens: list[int | torch.Tensor] = []
@@ -252,25 +253,34 @@ class Probe:
 
         The probe keeps references to these tensors for up to FOLD_STEPS steps before summing them:
         do not modify them in place afterwards (pass fresh tensors, or clones)."""
-        self._pending[layer].append((expert_counts, slot_counts, dropped, rerouted))
+        self._pending.append((layer, expert_counts, slot_counts, dropped, rerouted))
 
     FOLD_STEPS = 16
 
+    def _layer_index(self, layers: tuple[int, ...]) -> torch.Tensor:
+        # Steady state records the same layer sequence every batch: build its index tensor once.
+        index = self._index_cache.get(layers)
+        if index is None:
+            if len(self._index_cache) > 64:
+                self._index_cache.clear()
+            index = torch.tensor(layers, dtype=torch.long, device=self.device)
+            self._index_cache[layers] = index
+        return index
+
     def _fold(self) -> None:
-        """Sum the pending per-layer records into the window's accumulator (on the device)."""
-        E = self.cfg.num_experts
-        for layer, records in enumerate(self._pending):
-            if not records:
-                continue
-            row = self._counts[layer]
-            row[:E] += torch.stack([r[0] for r in records]).sum(dim=0)
-            row[3 * E:] += torch.stack([r[1] for r in records]).sum(dim=0)
-            limited = [r for r in records if r[2] is not None]
-            if limited:
-                row[E:2 * E] += torch.stack([r[2] for r in limited]).sum(dim=0)
-                row[2 * E:3 * E] += torch.stack([r[3] for r in limited]).sum(dim=0)
-            records.clear()
+        """Sum the pending records into the window's accumulator, on the device, with index_add_."""
+        records = self._pending
+        self._pending = []
         self._pending_steps = 0
+        if not records:
+            return
+        split = self.cfg.num_experts + self.cfg.num_slots
+        rows = torch.cat([torch.stack([r[1] for r in records]), torch.stack([r[2] for r in records])], dim=1)
+        self._counts[:, :split].index_add_(0, self._layer_index(tuple(r[0] for r in records)), rows.long())
+        limited = [r for r in records if r[3] is not None]
+        if limited:
+            overflow = torch.cat([torch.stack([r[3] for r in limited]), torch.stack([r[4] for r in limited])], dim=1)
+            self._counts[:, split:].index_add_(0, self._layer_index(tuple(r[0] for r in limited)), overflow.long())
 
     def record_topk(self, layer: int, topk_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Helper for runtimes without their own counts: [E] bincount of topk_ids [N, k] over real tokens."""
@@ -304,7 +314,7 @@ class Probe:
 
         counts = self._counts.to(torch.float64)
         traffic = torch.zeros(L, W, W, dtype=torch.float64, device=self.device)
-        traffic[:, self.rank] = counts[:, 3 * E:].view(L, W, P // W).sum(dim=2)
+        traffic[:, self.rank] = counts[:, E:E + P].reshape(L, W, P // W).sum(dim=2)
         per_rank = torch.zeros(4, L, W, dtype=torch.float64)
         per_rank[:, :, self.rank] = torch.from_numpy(times)
         per_step = torch.zeros(2, W, steps, dtype=torch.float64)
@@ -313,35 +323,33 @@ class Probe:
                                               for t in self._step_tokens]).cpu()
         walls = torch.zeros(W, dtype=torch.float64)
         walls[self.rank] = wall
-        flat = torch.cat([counts[:, :3 * E].reshape(-1), counts[:, 3 * E:].reshape(-1), traffic.reshape(-1),
+        flat = torch.cat([counts.reshape(-1), traffic.reshape(-1),
                           torch.cat([per_rank.reshape(-1), per_step.reshape(-1), walls]).to(self.device)])
         if self.group is not None or dist.is_initialized():
             dist.all_reduce(flat, group=self.group)
         flat = flat.cpu().numpy()
 
-        sizes = [L * 3 * E, L * P, L * W * W, 4 * L * W, 2 * W * steps, W]
+        sizes = [L * self._width, L * W * W, 4 * L * W, 2 * W * steps, W]
         parts = np.split(flat, np.cumsum(sizes)[:-1])
-        expert_part = parts[0].reshape(L, 3, E)
-        traffic_np = np.rint(parts[2].reshape(L, W, W)).astype(np.int64)
-        per_step_np = parts[4].reshape(2, W, steps)
+        counts_np = np.rint(parts[0].reshape(L, self._width)).astype(np.int64)
+        traffic_np = np.rint(parts[1].reshape(L, W, W)).astype(np.int64)
+        per_step_np = parts[3].reshape(2, W, steps)
         # Every rank derives the next window's length from the same reduced numbers.
-        self._next_target(steps, float(parts[5].max()))
+        self._next_target(steps, float(parts[4].max()))
         self._reset()
         if self.rank != 0:
             return None
 
         local = np.diagonal(traffic_np, axis1=1, axis2=2).copy()
-        timing = parts[3].reshape(4, L, W)
+        timing = parts[2].reshape(4, L, W)
         fields = dict(
             runtime=cfg.runtime, model=cfg.model, ep_group=cfg.ep_group, world_size=W,
             ranks_per_node=cfg.ranks_per_node or W, num_layers=L, num_experts=E, num_slots=P, top_k=cfg.top_k,
             epoch=self.epoch, steps=steps, start_time=self._window_unix_start,
             end_time=max(end_unix, self._window_unix_start), hidden_bytes=cfg.hidden_bytes,
             physical_to_logical_map=self.physical_to_logical_map,
-            expert_tokens=np.rint(expert_part[:, 0]).astype(np.int64),
-            dropped_tokens=np.rint(expert_part[:, 1]).astype(np.int64),
-            rerouted_tokens=np.rint(expert_part[:, 2]).astype(np.int64),
-            slot_tokens=np.rint(parts[1].reshape(L, P)).astype(np.int64),
+            expert_tokens=counts_np[:, :E], slot_tokens=counts_np[:, E:E + P],
+            dropped_tokens=counts_np[:, E + P:2 * E + P], rerouted_tokens=counts_np[:, 2 * E + P:],
             capacity_factor=self.capacity_factor,
             local_tokens=local,
             sent_tokens=traffic_np.sum(axis=2) - local,
@@ -374,7 +382,6 @@ class Probe:
 
     def _reset(self) -> None:
         self._counts.zero_()
-        for records in self._pending:
-            records.clear()
+        self._pending = []
         self._timer.reset()
         self._step_tokens = []
