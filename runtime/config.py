@@ -189,6 +189,8 @@ def validate(cfg: RuntimeConfig) -> RuntimeConfig:
         for layer in range(cfg.layers):
             if len(np.unique(pmap[layer])) != E:
                 raise ConfigError("placement", f"layer {layer}: every expert needs at least one slot")
+    if cfg.socket is not None and (not cfg.socket or len(cfg.socket.encode()) > 107):
+        raise ConfigError("socket", "a unix socket path must be 1 to 107 bytes long")
     if cfg.inject_migration_failure is not None:
         spec = cfg.inject_migration_failure
         if not isinstance(spec, dict) or not {"rank", "epoch"} <= set(spec):

@@ -25,7 +25,8 @@ def _run(args):
     (["runtime", "--steps", "0"], "--steps"),
     (["runtime", "--kernel", "triton"], "--kernel"),
     (["runtime", "--backend", "gloo", "--dtype", "bfloat16"], "--dtype"),
-    (["bench", "probe", "--block-steps", "7"], "--block-steps"),
+    (["bench", "probe", "--block-steps", "7", "--window-steps", "50"], "--block-steps"),
+    (["runtime", "--socket", "/tmp/" + "s" * 120], "--socket"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_flag(args, field, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
