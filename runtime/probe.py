@@ -197,7 +197,6 @@ class Probe:
         self._timer = _EventTimer(L, self.device) if self.device.type == "cuda" else _HostTimer(L)
         self.mark = self._timer.mark  # the hottest call: no extra Python frame in between
         self._step_tokens: list[int | torch.Tensor] = []
-        self._in_step = False
         self._window_wall_start = 0.0
         self._window_unix_start = 0.0
         self._target_steps = config.window_steps or config.first_window_steps
@@ -238,7 +237,6 @@ class Probe:
             self._window_unix_start = time.time()
         self._step_tokens.append(num_tokens)
         self._timer.begin_step()
-        self._in_step = True
 
     def mark(self, layer: int, mark: Mark) -> None:
         """Timestamp a phase boundary of a layer (replaced per instance by the timer's own method)."""
@@ -282,7 +280,7 @@ class Probe:
             overflow = torch.cat([torch.stack([r[3] for r in limited]), torch.stack([r[4] for r in limited])], dim=1)
             self._counts[:, split:].index_add_(0, self._layer_index(tuple(r[0] for r in limited)), overflow.long())
 
-    def record_topk(self, layer: int, topk_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def count_topk(self, layer: int, topk_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Helper for runtimes without their own counts: [E] bincount of topk_ids [N, k] over real tokens."""
         ids = topk_ids if valid is None else topk_ids[valid.bool()]
         return torch.bincount(ids.reshape(-1).long(), minlength=self.cfg.num_experts)
@@ -290,7 +288,6 @@ class Probe:
     def end_step(self) -> Window | None:
         """Close the step; flushes (collectively) when the window is due. Returns the Window on rank 0."""
         self._timer.end_step()
-        self._in_step = False
         self._pending_steps += 1
         if self._pending_steps >= self.FOLD_STEPS:
             self._fold()

@@ -146,8 +146,8 @@ def test_long_windows_fold_pending_counts_without_losing_any():
     np.testing.assert_array_equal(window.rerouted_tokens, [[0, steps // 2, 0, 0]] * L)
 
 
-def test_record_topk_counts_real_tokens_only():
+def test_count_topk_counts_real_tokens_only():
     probe, _ = _probe()
     ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
-    counts = probe.record_topk(0, ids, valid=torch.tensor([True, False, True]))
+    counts = probe.count_topk(0, ids, valid=torch.tensor([True, False, True]))
     assert counts.tolist() == [2, 1, 0, 1]
