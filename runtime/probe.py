@@ -280,7 +280,7 @@ class Probe:
             overflow = torch.cat([torch.stack([r[3] for r in limited]), torch.stack([r[4] for r in limited])], dim=1)
             self._counts[:, split:].index_add_(0, self._layer_index(tuple(r[0] for r in limited)), overflow.long())
 
-    def count_topk(self, layer: int, topk_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def count_topk(self, topk_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Helper for runtimes without their own counts: [E] bincount of topk_ids [N, k] over real tokens."""
         ids = topk_ids if valid is None else topk_ids[valid.bool()]
         return torch.bincount(ids.reshape(-1).long(), minlength=self.cfg.num_experts)

@@ -149,5 +149,5 @@ def test_long_windows_fold_pending_counts_without_losing_any():
 def test_count_topk_counts_real_tokens_only():
     probe, _ = _probe()
     ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
-    counts = probe.count_topk(0, ids, valid=torch.tensor([True, False, True]))
+    counts = probe.count_topk(ids, valid=torch.tensor([True, False, True]))
     assert counts.tolist() == [2, 1, 0, 1]
