@@ -101,12 +101,15 @@ def _launch_shape(rows: torch.Tensor, segment_counts: list[int]) -> tuple[int, i
 
 
 def grouped_gemm_triton(rows: torch.Tensor, segment_counts: list[int], weights: torch.Tensor, out_cols: int,
-                        swiglu_epilogue: bool) -> torch.Tensor:
-    """One launch over all segments: rows [R, K] x weights [S, K, out_cols (x2 when swiglu)] -> [R, out_cols]."""
+                        swiglu_epilogue: bool, launch: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """One launch over all segments: rows [R, K] x weights [S, K, out_cols (x2 when swiglu)] -> [R, out_cols].
+
+    launch: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) to override the built-in choice.
+    """
     out = rows.new_empty(rows.shape[0], out_cols)
     if rows.shape[0] == 0:
         return out
-    block_m, block_n, block_k, num_warps, num_stages = _launch_shape(rows, segment_counts)
+    block_m, block_n, block_k, num_warps, num_stages = launch or _launch_shape(rows, segment_counts)
     table = tile_table(segment_counts, block_m)
     num_tiles = len(table[0])
     tiles = torch.tensor(table, dtype=torch.int32)
@@ -126,11 +129,11 @@ def grouped_gemm_triton(rows: torch.Tensor, segment_counts: list[int], weights: 
 
 
 def grouped_swiglu_triton(rows: torch.Tensor, segment_counts: list[int], w13: torch.Tensor,
-                          w2: torch.Tensor) -> torch.Tensor:
+                          w2: torch.Tensor, launch: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """Two launches per layer: gate|up with the SwiGLU epilogue, then down."""
     ffn = w2.shape[1]
-    hidden_act = grouped_gemm_triton(rows, segment_counts, w13, ffn, swiglu_epilogue=True)
-    return grouped_gemm_triton(hidden_act, segment_counts, w2, w2.shape[2], swiglu_epilogue=False)
+    hidden_act = grouped_gemm_triton(rows, segment_counts, w13, ffn, swiglu_epilogue=True, launch=launch)
+    return grouped_gemm_triton(hidden_act, segment_counts, w2, w2.shape[2], swiglu_epilogue=False, launch=launch)
 
 
 def grouped_swiglu(kernel: str):
