@@ -59,8 +59,9 @@ def kernel_check(quick: bool) -> dict:
             triton_ms = _timed(lambda: grouped_swiglu_triton(x, counts, w13, w2))
             # Other tile shapes, for whoever tunes _launch_shape next (the verdict uses the built-in one).
             sweep = {}
-            for launch in ((64, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 64, 32, 8, 3), (128, 128, 64, 8, 3),
-                           (64, 128, 64, 8, 4)):
+            launches = () if dtype == torch.float32 else (
+                (64, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 64, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 8, 4))
+            for launch in launches:
                 try:
                     sweep[",".join(map(str, launch))] = _timed(
                         lambda: grouped_swiglu_triton(x, counts, w13, w2, launch=launch), reps=10)
