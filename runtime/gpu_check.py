@@ -35,47 +35,47 @@ def _timed(fn, reps: int = 20) -> float:
     return float(np.median(times))
 
 
-def kernel_check(quick: bool) -> dict:
+def _kernel_case(g: torch.Generator, slots: int, hidden: int, ffn: int, rows: int, dtype: torch.dtype,
+                 tolerance: float) -> dict:
     from .kernels import grouped_swiglu_torch, grouped_swiglu_triton
 
-    out: dict = {"cases": []}
+    # Zipf-skewed ragged segments, one of them empty.
+    weights = 1.0 / np.arange(1, slots + 1) ** 1.2
+    counts = np.random.default_rng(slots).multinomial(rows, weights / weights.sum()).tolist()
+    counts[-1] = 0
+    w13 = (torch.randn(slots, hidden, 2 * ffn, device="cuda", generator=g) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(slots, ffn, hidden, device="cuda", generator=g) / ffn ** 0.5).to(dtype)
+    x = torch.randn(sum(counts), hidden, device="cuda", generator=g).to(dtype)
+    ref = grouped_swiglu_torch(x, counts, w13, w2).float()
+    got = grouped_swiglu_triton(x, counts, w13, w2).float()
+    scale = float(ref.abs().max())
+    diff = float((got - ref).abs().max())
+    torch_ms = _timed(lambda: grouped_swiglu_torch(x, counts, w13, w2))
+    triton_ms = _timed(lambda: grouped_swiglu_triton(x, counts, w13, w2))
+    # Other tile shapes, for whoever tunes _launch_shape next (the verdict uses the built-in one).
+    sweep = {}
+    launches = () if dtype == torch.float32 else (
+        (64, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 64, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 8, 4))
+    for launch in launches:
+        name = ",".join(map(str, launch))
+        try:
+            sweep[name] = _timed(lambda: grouped_swiglu_triton(x, counts, w13, w2, launch=launch), reps=10)
+        except Exception as exc:  # a shape this GPU cannot hold (shared memory, registers)
+            sweep[name] = f"failed: {type(exc).__name__}"
+    return {"slots": slots, "hidden": hidden, "ffn": ffn, "rows": rows, "dtype": str(dtype).split(".")[-1],
+            "max_abs_diff": diff, "scale": scale, "match": diff <= tolerance * max(scale, 1.0),
+            "torch_ms": torch_ms, "triton_ms": triton_ms, "triton_over_torch": triton_ms / torch_ms,
+            "not_slower": triton_ms <= torch_ms, "triton_ms_by_launch (BLOCK_M,N,K,warps,stages)": sweep}
+
+
+def kernel_check(quick: bool) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(32, 1024, 2048, 8192)] if quick else [(32, 1024, 2048, 8192), (8, 2048, 4096, 16384),
                                                     (64, 512, 1024, 4096)]
-    for slots, hidden, ffn, rows in shapes:
-        # Zipf-skewed ragged segments, some empty.
-        weights = 1.0 / np.arange(1, slots + 1) ** 1.2
-        counts = np.random.default_rng(slots).multinomial(rows, weights / weights.sum()).tolist()
-        counts[-1] = 0
-        for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
-            w13 = (torch.randn(slots, hidden, 2 * ffn, device="cuda", generator=g) / hidden ** 0.5).to(dtype)
-            w2 = (torch.randn(slots, ffn, hidden, device="cuda", generator=g) / ffn ** 0.5).to(dtype)
-            x = torch.randn(sum(counts), hidden, device="cuda", generator=g).to(dtype)
-            ref = grouped_swiglu_torch(x, counts, w13, w2).float()
-            got = grouped_swiglu_triton(x, counts, w13, w2).float()
-            scale = float(ref.abs().max())
-            diff = float((got - ref).abs().max())
-            torch_ms = _timed(lambda: grouped_swiglu_torch(x, counts, w13, w2))
-            triton_ms = _timed(lambda: grouped_swiglu_triton(x, counts, w13, w2))
-            # Other tile shapes, for whoever tunes _launch_shape next (the verdict uses the built-in one).
-            sweep = {}
-            launches = () if dtype == torch.float32 else (
-                (64, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 64, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 8, 4))
-            for launch in launches:
-                try:
-                    sweep[",".join(map(str, launch))] = _timed(
-                        lambda: grouped_swiglu_triton(x, counts, w13, w2, launch=launch), reps=10)
-                except Exception as exc:  # a shape this GPU cannot hold (shared memory, registers)
-                    sweep[",".join(map(str, launch))] = f"failed: {type(exc).__name__}"
-            out["cases"].append({
-                "slots": slots, "hidden": hidden, "ffn": ffn, "rows": rows, "dtype": str(dtype).split(".")[-1],
-                "max_abs_diff": diff, "scale": scale, "match": diff <= tolerance * max(scale, 1.0),
-                "torch_ms": torch_ms, "triton_ms": triton_ms, "triton_over_torch": triton_ms / torch_ms,
-                "not_slower": triton_ms <= torch_ms, "triton_ms_by_launch": sweep})
-            del w13, w2, x, ref, got
-    out["ok"] = all(c["match"] and c["not_slower"] for c in out["cases"])
-    out["match"] = all(c["match"] for c in out["cases"])
-    return out
+    cases = [_kernel_case(g, *shape, dtype, tolerance)
+             for shape in shapes for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2))]
+    return {"cases": cases, "match": all(c["match"] for c in cases),
+            "ok": all(c["match"] and c["not_slower"] for c in cases)}
 
 
 def nccl_checks(world_size: int, backend: str = "nccl") -> dict:
