@@ -22,41 +22,46 @@ VERBS: dict[str, tuple[str, str]] = {
     "agent": ("moewatch.agent.cli:agent", "Run the sidecar agent (the daemon)."),
     "demo": ("moewatch.agent.cli:demo", "Run the reference runtime and the agent together, wired through a socket."),
     "top": ("moewatch.agent.cli:top", "Live per-layer view of a running agent."),
-    "report": ("moewatch.report:report", "Draw a window's per-layer pictures into PNG files."),
+    "report": ("moewatch.report:report", "Draw a window as one picture (PNG): time split, rank and expert load, traffic."),
     "bench": ("moewatch.bench:bench", "Benchmarks: planner against EPLB, probe overhead."),
 }
 
 
 class LazyGroup(click.Group):
+    """A click group whose commands import on first use, from {name: ("module:attr", help)}."""
+
+    def __init__(self, *args, verbs: dict[str, tuple[str, str]], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.verbs = verbs
+
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(VERBS)
+        return sorted(self.verbs)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in VERBS:
+        if name not in self.verbs:
             return None
-        target, _ = VERBS[name]
-        module_name, attr = target.split(":")
+        module_name, attr = self.verbs[name][0].split(":")
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            return _unavailable(name, f"{exc} (install the extra that provides it, e.g. pip install 'moewatch[runtime]')")
+            return _unavailable(name, f"{ctx.command_path} {name}", f"{exc} (install the extra that provides it, e.g. pip install 'moewatch[runtime]')")
         return getattr(module, attr)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Listing help must not import every verb's dependencies.
         with formatter.section("Commands"):
-            formatter.write_dl([(name, VERBS[name][1]) for name in sorted(VERBS)])
+            formatter.write_dl([(name, self.verbs[name][1]) for name in sorted(self.verbs)])
 
 
-def _unavailable(name: str, why: str) -> click.Command:
+def _unavailable(name: str, path: str, why: str) -> click.Command:
     @click.command(name=name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
     def missing() -> None:
-        raise click.ClickException(f"`moewatch {name}` is unavailable here: {why}")
+        raise click.ClickException(f"`{path}` is unavailable here: {why}")
 
     return missing
 
 
-@click.group(cls=LazyGroup)
+@click.group(cls=LazyGroup, verbs=VERBS)
 @click.version_option(__version__, prog_name="moewatch")
 def main() -> None:
     """moewatch: observe, diagnose and tune Mixture-of-Experts inference with expert parallelism."""
