@@ -12,13 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from .errors import FieldError
 
-class PlanError(ValueError):
+
+class PlanError(FieldError):
     """A plan broke its contract; `field` names the offending field."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,6 +18,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .errors import FieldError
+
 SCHEMA = "moewatch.window/v1"
 
 # name -> (dtype kind, shape as a tuple of size names). "i" arrays hold non-negative integer counts,
@@ -60,12 +62,8 @@ SCALAR_FIELDS: dict[str, type] = {
 }
 
 
-class WindowError(ValueError):
+class WindowError(FieldError):
     """A window broke the contract; `field` names the first offending field."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
 
 
 @dataclass(frozen=True, eq=False)
