@@ -56,7 +56,6 @@ def bench_balance(repeats: int, seed: int) -> list[dict[str, Any]]:
             results = [solve_placement(load, GPUS, SLOTS, nodes) for _ in range(repeats)]
             ours = results[-1]
             solve = [r.solve_seconds for r in results]
-            pmap = ours.physical_to_logical_map
             eplb_rows = {}
             for policy, fn in (("global", lambda: eplb.rebalance_global(load, SLOTS, GPUS)),
                                ("hierarchical", lambda: eplb.rebalance_hierarchical(load, SLOTS, EPLB_GROUPS,

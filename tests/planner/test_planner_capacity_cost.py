@@ -64,7 +64,7 @@ def test_fit_recovers_the_parameters_that_made_the_windows(rng, window_from_traf
                            seconds_per_byte_intra=1 / 300e9, seconds_per_byte_inter=1 / 20e9,
                            seconds_per_message=7e-6)
     windows = []
-    W, G, steps, hidden = 8, 4, 10, 4096
+    G, steps, hidden = 4, 10, 4096
     for world in (8, 8, 4, 4):  # two group sizes: the per-message cost and the bandwidths separate
         traffic = rng.integers(0, 3000, size=(5, world, world))
         per = cost.rank_traffic(traffic.astype(float), max(world // G, 1))
