@@ -176,6 +176,10 @@ def probe(windows, window_steps, block_steps, warmup_steps, as_json, **options) 
     if cfg.backend == "nccl" and not torch.cuda.is_available():
         click.echo("moewatch bench probe: error: --backend nccl needs CUDA GPUs; none is visible", err=True)
         sys.exit(2)
+    steps = warmup_steps + 2 * windows * window_steps
+    click.echo(f"moewatch bench probe: {cfg.ranks} {cfg.backend} ranks, {warmup_steps} warm-up steps, then "
+               f"{2 * windows * window_steps} steps alternating the probe on and off "
+               f"({steps} in all)", err=True)
     result = measure(cfg, windows, block_steps, window_steps, warmup_steps)
     if as_json:
         click.echo(json.dumps(result))

@@ -12,7 +12,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 import numpy as np
@@ -193,17 +193,21 @@ def _planted_placement(topics: np.ndarray, load: np.ndarray) -> np.ndarray:
     return rows
 
 
-def run(repeats: int = 9, tokens: int = 16384, seed: int = 0) -> dict[str, Any]:
+def run(repeats: int = 9, tokens: int = 16384, seed: int = 0,
+        progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     started = time.perf_counter()
-    out = {
+    out: dict[str, Any] = {
         "setup": {"layers": LAYERS, "experts": EXPERTS, "slots": SLOTS, "gpus": GPUS, "nodes": [1, NODES],
                   "eplb_groups": EPLB_GROUPS, "pairs_per_layer": PAIRS_PER_LAYER, "seed": seed},
         "machine": _machine(),
-        "balance": bench_balance(repeats, seed),
-        "drift": bench_drift(seed),
-        "affinity": bench_affinity(tokens, seed),
-        "small_trace": bench_small_trace(seed),
     }
+    sections = (("balance", "balance and solve time against EPLB", lambda: bench_balance(repeats, seed)),
+                ("drift", "movement after a load drift", lambda: bench_drift(seed)),
+                ("affinity", f"affinity on a {tokens}-token trace", lambda: bench_affinity(tokens, seed)),
+                ("small_trace", "affinity on a 577-token trace", lambda: bench_small_trace(seed)))
+    for i, (key, what, section) in enumerate(sections, 1):
+        progress(f"[{i}/{len(sections)}] {what} ({time.perf_counter() - started:.0f} s so far)")
+        out[key] = section()
     out["machine"]["load_average_after"] = list(os.getloadavg())
     out["seconds"] = time.perf_counter() - started
     out["pass"] = all(r["pass_balance"] and r["pass_time"] for r in out["balance"]) \
@@ -358,7 +362,7 @@ def render_markdown(r: dict[str, Any], command: str) -> str:
 @click.option("--seed", type=int, default=0, show_default=True)
 def planner(as_json: bool, write_path: str | None, repeats: int, tokens: int, seed: int) -> None:
     """Planner against DeepSeek's EPLB: balance, solve time, movement after drift, affinity."""
-    results = run(repeats, tokens, seed)
+    results = run(repeats, tokens, seed, progress=lambda message: click.echo(message, err=True))
     command = f"moewatch bench planner --repeats {repeats} --tokens {tokens} --seed {seed}" + (
         f" --write {write_path}" if write_path else "")
     page = render_markdown(results, command)

@@ -69,6 +69,6 @@ def test_bench_probe_json_contract():
                    "--ffn", "16", "--batch-tokens", "16", "--windows", "2", "--window-steps", "2",
                    "--block-steps", "1", "--warmup-steps", "0"])
     assert result.exit_code == 0
-    out = json.loads(result.output)
+    out = json.loads(result.stdout)  # progress goes to stderr; stdout is JSON only
     assert out["overhead_ratio"] > 0 and out["overhead_ratio_of_means"] > 0
     assert out["steps_measured"] == 8 and out["windows_built"] >= 2 and out["windows_invalid"] == 0
