@@ -65,8 +65,11 @@ def test_agent_with_the_reference_runtime(start_agent, short_tmp, helpers):
         observe.stop()
 
         # --- phase 2: act; the runtime reconnects to the new agent on the same socket
+        # Verification here judges by balancedness only: per-step time over two 10-step windows of two
+        # gloo ranks on shared CPU cores swings by +-30 % (it once rolled back the good plan at +26 %).
+        # The time criterion is tested with controlled windows in test_policy.py.
         act = start_agent(mode="act", plan_interval_seconds=0.3, persist_windows=2, verify_windows=2,
-                          cooldown_seconds=1, audit_log=str(short_tmp / "act.jsonl"))
+                          cooldown_seconds=1, rollback_time_rise=100.0, audit_log=str(short_tmp / "act.jsonl"))
         group = helpers.wait_group(act, ("moewatch-ref", "ep0"), timeout=30)
         assert helpers.wait_for(lambda: any(r["event"] in ("verified", "rollback")
                                             for r in read_audit(act.cfg.audit_log)), timeout=40)
