@@ -21,13 +21,20 @@ def feed(rt, helpers, load, pmap, n, start, epoch=0):
         rt.send(helpers.make_window(load, pmap, W, start_time=start + 10 * i, epoch=epoch))
 
 
-def test_act_replicates_acks_verifies_and_audits(start_agent, helpers):
-    daemon = start_agent(mode="act", verify_windows=2)
+def hot_group(start_agent, helpers, windows=2, **settings):
+    """An agent with a fake runtime whose group has seen `windows` windows with a hot expert 0 on the
+    contiguous placement: (daemon, runtime, group, load, placement)."""
+    daemon = start_agent(**settings)
     rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
     group = helpers.wait_group(daemon)
     load, old = helpers.hot_load(L, E), helpers.contiguous(L, E, P)
-    feed(rt, helpers, load, old, 2, 1000.0)
-    assert helpers.wait_for(lambda: len(group.history) == 2)
+    feed(rt, helpers, load, old, windows, 1000.0)
+    assert helpers.wait_for(lambda: len(group.history) == windows)
+    return daemon, rt, group, load, old
+
+
+def test_act_replicates_acks_verifies_and_audits(start_agent, helpers):
+    daemon, rt, group, load, old = hot_group(start_agent, helpers, mode="act", verify_windows=2)
     assert all(d.verdict == "imbalance-bound" and d.cause == "hot-experts" for d in group.latest().diagnosis.layers)
     daemon.controller.plan_tick()
     plan = rt.wait_plan()
@@ -57,12 +64,7 @@ def test_act_replicates_acks_verifies_and_audits(start_agent, helpers):
 
 
 def test_bad_plan_is_rolled_back_with_a_new_epoch(start_agent, helpers):
-    daemon = start_agent(mode="act", verify_windows=2)
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
-    group = helpers.wait_group(daemon)
-    load, old = helpers.hot_load(L, E), helpers.contiguous(L, E, P)
-    feed(rt, helpers, load, old, 2, 1000.0)
-    assert helpers.wait_for(lambda: len(group.history) == 2)
+    daemon, rt, group, load, old = hot_group(start_agent, helpers, mode="act", verify_windows=2)
     bad = old.copy()
     bad[0] = [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 1, 2]  # three replicas of the hot expert on one GPU
     sent = daemon.controller.submit(group, bad, np.zeros(L), "operator plan for the test")
@@ -85,11 +87,7 @@ def test_bad_plan_is_rolled_back_with_a_new_epoch(start_agent, helpers):
 
 
 def test_refused_plan_counts_as_failed(start_agent, helpers):
-    daemon = start_agent(mode="act")
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
-    group = helpers.wait_group(daemon)
-    feed(rt, helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 2, 1000.0)
-    assert helpers.wait_for(lambda: len(group.history) == 2)
+    daemon, rt, group, _, _ = hot_group(start_agent, helpers, mode="act")
     daemon.controller.plan_tick()
     plan = rt.wait_plan()
     rt.send(wire.Ack(plan_epoch=plan.epoch, epoch_in_force=0, ok=False, error="migration failed on rank 2"))
@@ -100,11 +98,7 @@ def test_refused_plan_counts_as_failed(start_agent, helpers):
 
 
 def test_observe_mode_never_sends_a_plan(start_agent, helpers):
-    daemon = start_agent(mode="observe", plan_interval_seconds=0.1)
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
-    group = helpers.wait_group(daemon)
-    feed(rt, helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 4, 1000.0)
-    assert helpers.wait_for(lambda: len(group.history) == 4)
+    daemon, rt, group, _, _ = hot_group(start_agent, helpers, windows=4, mode="observe", plan_interval_seconds=0.1)
     daemon.controller.plan_tick()
     assert rt.recv(timeout=1.0) == []
     assert all(d.verdict == "imbalance-bound" for d in group.latest().diagnosis.layers)
@@ -112,11 +106,7 @@ def test_observe_mode_never_sends_a_plan(start_agent, helpers):
 
 
 def test_recommend_mode_records_without_sending(start_agent, helpers):
-    daemon = start_agent(mode="recommend")
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
-    group = helpers.wait_group(daemon)
-    feed(rt, helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 2, 1000.0)
-    assert helpers.wait_for(lambda: len(group.history) == 2)
+    daemon, rt, group, _, _ = hot_group(start_agent, helpers, mode="recommend")
     daemon.controller.plan_tick()
     assert rt.recv(timeout=0.5) == []
     assert daemon.metrics.get("moewatch_actions_total", ("m", "g", "replicate", "recommended")) == 2
