@@ -22,6 +22,7 @@ import click
 import numpy as np
 import torch
 
+from .cli import execution_options
 from .config import ConfigError, RuntimeConfig, validate
 
 
@@ -154,12 +155,7 @@ def measure(cfg: RuntimeConfig, windows: int, block: int, window: int, warmup: i
 @click.option("--block-steps", "block_steps", type=int, default=1, show_default=True,
               help="Steps run in a row before switching the probe on or off (divides --window-steps).")
 @click.option("--warmup-steps", "warmup_steps", type=int, default=20, show_default=True)
-@click.option("--kernel", type=click.Choice(["torch", "triton"]), default="torch", show_default=True)
-@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--threads-per-rank", "threads_per_rank", type=int, default=None)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print only the result as JSON.")
+@execution_options
 def probe(windows, window_steps, block_steps, warmup_steps, as_json, **options) -> None:
     """Probe overhead: step time with the probe on over step time with it off, alternating in one run."""
     cfg = RuntimeConfig(**options)

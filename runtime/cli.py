@@ -20,6 +20,21 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+def execution_options(command):
+    """How the ranks run (kernel, backend, dtype, threads, seed) and --json: shared with `bench probe`."""
+    for option in reversed([
+        click.option("--kernel", type=click.Choice(["torch", "triton"]), default="torch", show_default=True),
+        click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+                     show_default=True),
+        click.option("--threads-per-rank", "threads_per_rank", type=int, default=None),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--json", "as_json", is_flag=True, help="Print only the result as JSON."),
+    ]):
+        command = option(command)
+    return command
+
+
 @click.command("runtime")
 @click.option("--ranks", type=int, default=4, show_default=True, help="EP ranks (processes) W.")
 @click.option("--layers", type=int, default=8, show_default=True, help="MoE layers L.")
@@ -63,12 +78,7 @@ def _fail(message: str) -> None:
 @click.option("--no-probe", "no_probe", is_flag=True, help="Run without the probe.")
 @click.option("--model-name", "model_name", default="moewatch-ref", show_default=True)
 @click.option("--ep-group", "ep_group", default="ep0", show_default=True)
-@click.option("--kernel", type=click.Choice(["torch", "triton"]), default="torch", show_default=True)
-@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--threads-per-rank", "threads_per_rank", type=int, default=None)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print only the result as JSON.")
+@execution_options
 def runtime(placement_file, no_probe, socket_path, as_json, **options) -> None:
     """Launch the reference EP runtime on this machine and report step latency and throughput."""
     placement = None
