@@ -53,6 +53,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moewatch_layer_expert_load_cv_ratio", "gauge", LAYER,
                "Std/mean of pairs routed per logical expert (seed: < 0.3)."),
     MetricSpec("moewatch_layer_cross_rank_ratio", "gauge", LAYER, "Share of pairs computed on another rank."),
+    MetricSpec("moewatch_layer_cross_node_ratio", "gauge", LAYER,
+               "Share of pairs computed on another node, over the inter-node link (0 on one node; "
+               "absent when the window carries no rank-to-rank traffic)."),
+    MetricSpec("moewatch_layer_expected_cross_node_ratio", "gauge", LAYER,
+               "Cross-node share the placement predicts for the observed expert load."),
+    MetricSpec("moewatch_layer_seconds_at_stake", "gauge", LAYER,
+               "Seconds per step the layer's best action is predicted to save (the triage's ranking key)."),
     MetricSpec("moewatch_layer_expected_cross_rank_ratio", "gauge", LAYER,
                "Cross-rank share the placement predicts for the observed expert load."),
     MetricSpec("moewatch_layer_overflow_ratio", "gauge", LAYER,

@@ -102,6 +102,9 @@ class AgentConfig:
                                                   "expert)", kind=int, lo=1, hi=1 << 50)
     migration_bandwidth_bytes_per_second: float = _f(5e10, "bandwidth weights move at during a rebalance",
                                                      kind=float, lo=1, hi=1e15)
+    inter_node_bandwidth_bytes_per_second: float = _f(2.2e10, "bandwidth weights move at between nodes (the "
+                                                              "slower link; prices a multi-node rebalance)",
+                                                      kind=float, lo=1, hi=1e15)
     # --- actuator
     actuator: str = _f("runtime", "runtime (plans over the socket) or sglang (an --init-expert-location file)",
                        choices=ACTUATORS)

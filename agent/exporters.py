@@ -161,6 +161,8 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
         "moewatch_layer_expert_load_cv_ratio": "expert_load_cv",
         "moewatch_layer_cross_rank_ratio": "cross_rank_ratio",
         "moewatch_layer_expected_cross_rank_ratio": "expected_cross_rank_ratio",
+        "moewatch_layer_cross_node_ratio": "cross_node_ratio",
+        "moewatch_layer_expected_cross_node_ratio": "expected_cross_node_ratio",
         "moewatch_layer_overflow_ratio": "overflow_rate",
         "moewatch_layer_capacity_factor": "capacity_factor",
         "moewatch_layer_effective_capacity_factor": "effective_capacity_factor",
@@ -178,6 +180,8 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
                 state.remove(metric, layer)
             else:
                 state.set(metric, layer, value)
+        if np.isfinite(d.seconds_at_stake):
+            state.set("moewatch_layer_seconds_at_stake", layer, d.seconds_at_stake)
         # None in the diagnosis means +Inf here (a rank that computed nothing).
         state.set("moewatch_layer_rank_load_max_min_ratio", layer, float(max_min[d.layer]))
         # The group's all-to-all per step: the slowest rank's (a collective ends when its last rank does).

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moewatch import topology
 from moewatch.planner import cost
 from moewatch.planner import metrics as pm
 
@@ -341,12 +342,20 @@ def placement_proposals(view: GroupView, cfg, evidence: Sequence[TriagedWindow],
     hidden = latest.window.hidden_bytes
     t_before = cost.layer_seconds(model, load, current_map, view.num_gpus, hidden, view.num_nodes)["total"]
     t_after = cost.layer_seconds(model, load, proposed, view.num_gpus, hidden, view.num_nodes)["total"]
+    per_node = view.num_gpus // view.num_nodes
+    node_before = topology.expected_cross_node_ratio(load, current_map, view.num_gpus, per_node)
+    node_after = topology.expected_cross_node_ratio(load, proposed, view.num_gpus, per_node)
     rows: dict[int, tuple[np.ndarray, str]] = {}
     decisions: list[Decision] = []
     for layer in layers:
         kind = "replicate" if not np.array_equal(counts_before[layer], counts_after[layer]) else "placement"
         gain = max(0.0, float(t_before[layer] - t_after[layer])) * rate * cfg.horizon_seconds
         stall = cost.migration_stall(model, np.array([moved[layer]]), cfg.expert_bytes)["stall_seconds"]
+        if view.num_nodes > 1:  # a slot filled from another node moves its weights over the slower link
+            stall = topology.migration_seconds(current_map[layer], proposed[layer], view.num_gpus,
+                                               view.num_gpus // view.num_nodes, cfg.expert_bytes,
+                                               model.migration_bytes_per_second,
+                                               cfg.inter_node_bandwidth_bytes_per_second)
         if view.observed_stall_per_slot is not None:
             stall = max(stall, view.observed_stall_per_slot * int(moved[layer]))
         hot = latest.diagnosis.layers[layer].metrics["hot_experts"]
@@ -355,11 +364,12 @@ def placement_proposals(view: GroupView, cfg, evidence: Sequence[TriagedWindow],
                   "model_balancedness": round(float(model_before[layer]), 4),
                   "layer_seconds_per_step": _mean_metric(evidence, layer, "layer_seconds_per_step"),
                   "model_layer_seconds_per_step": float(t_before[layer]),
-                  "replicas": {int(e): int(counts_before[layer, e]) for e in hot}}
-        after = {"model_balancedness": round(float(model_after[layer]), 4),
+                  "replicas": {int(e): int(counts_before[layer, e]) for e in hot},
+                  "model_cross_node_ratio": round(float(node_before[layer]), 4)}
+        after = {"model_cross_node_ratio": round(float(node_after[layer]), 4),"model_balancedness": round(float(model_after[layer]), 4),
                  "model_layer_seconds_per_step": float(t_after[layer]),
                  "replicas": {int(e): int(counts_after[layer, e]) for e in hot},
-                 "slots_moved": int(moved[layer]), "predicted_stall_seconds": stall,
+                 "slots_moved": int(moved[layer]), "predicted_stall_seconds": stall, "num_nodes": view.num_nodes,
                  "predicted_gain_seconds": gain, "horizon_seconds": cfg.horizon_seconds}
         if moved[layer] == 0 or model_after[layer] < model_before[layer] + cfg.min_balancedness_gain:
             reason = (f"the planner finds no placement better by {cfg.min_balancedness_gain:g} "
@@ -372,7 +382,8 @@ def placement_proposals(view: GroupView, cfg, evidence: Sequence[TriagedWindow],
         else:
             what = (f"hot expert{'s' if len(hot) > 1 else ''} {', '.join(map(str, hot))} "
                     if kind == "replicate" and hot else "")
-            reason = (f"{verdict} for {k} windows: {kind} {what}-> balancedness {model_before[layer]:.3f} -> "
+            where = f" (node-aware, {view.num_nodes} nodes)" if view.num_nodes > 1 else ""
+            reason = (f"{verdict} for {k} windows: {kind} {what}{where}-> balancedness {model_before[layer]:.3f} -> "
                       f"{model_after[layer]:.3f} (model); gain {gain:.2f} s over {cfg.horizon_seconds:g} s vs stall "
                       f"{stall:.3f} s")
             decisions.append(Decision(kind, (layer,), "proposed", reason, before, after))

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from . import telemetry as tm
+from . import topology
 from .telemetry import Window
 from .thresholds import Thresholds
 
@@ -181,6 +182,10 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         "capacity_factor": w.capacity_factor,
     }
     hot = tm.hot_experts(w, t.hot_expert_multiple)
+    # Groups that span nodes: the share of pairs over the slower inter-node link (topology.py).
+    cross_node = topology.cross_node_ratio(w.traffic, w.world_size, w.ranks_per_node, w.num_layers)
+    expected_node = topology.expected_cross_node_ratio(w.expert_tokens, w.physical_to_logical_map, w.world_size,
+                                                       w.ranks_per_node)
     out = []
     for layer in range(w.num_layers):
         row = {name: _finite(float(col[layer])) for name, col in cols.items()}
@@ -191,6 +196,8 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
             "rank_load": [int(x) for x in load[layer]],
             "busiest_rank": int(np.argmax(load[layer])),
             "hot_experts": hot[layer],
+            "cross_node_ratio": None if cross_node is None else _finite(float(cross_node[layer])),
+            "expected_cross_node_ratio": _finite(float(expected_node[layer])),
         })
         out.append(row)
     return out
@@ -239,6 +246,10 @@ def diagnose_layer(w: Window, layer: int, m: dict[str, Any], t: Thresholds) -> L
     evidence.append(
         f"{cross:.0%} of pairs cross ranks; the placement predicts {expected:.0%}"
         + (": the expert-to-rank mapping drives the traffic." if mapping_driven else "."))
+    node_line = topology.cross_node_evidence(m.get("cross_node_ratio"), m.get("expected_cross_node_ratio"),
+                                             w.world_size, w.ranks_per_node, comm, t.cross_rank_margin)
+    if node_line:
+        evidence.append(node_line)
     small = (m["mean_message_bytes"] or 0.0) < t.small_message_bytes
 
     if imbalanced:

@@ -70,7 +70,8 @@ def execution_options(command):
 @click.option("--placement", "placement_file", type=click.Path(dir_okay=False), default=None,
               help="JSON file with physical_to_logical_map [L][P] in force at start.")
 @click.option("--migrate-layers-per-step", "migrate_layers_per_step", type=int, default=1, show_default=True)
-@click.option("--socket", "socket_path", default=None, help="The agent's unix socket (the runtime connects to it).")
+@click.option("--socket", "socket_path", default=None, envvar="MOEWATCH_SOCKET",
+              help="The agent's unix socket, or tcp://HOST:PORT of its TCP listener (the runtime connects to it).")
 @click.option("--window-steps", "window_steps", type=int, default=None, help="Steps per Window (default 50).")
 @click.option("--window-seconds", "window_seconds", type=float, default=None, help="About this many seconds per Window.")
 @click.option("--windows-out", "windows_out", type=click.Path(dir_okay=False), default=None,
@@ -85,6 +86,20 @@ def runtime(placement_file, no_probe, socket_path, as_json, **options) -> None:
     if placement_file:
         placement = _read_placement(placement_file)
     cfg = RuntimeConfig(placement=placement, probe=not no_probe, socket=socket_path, **options)
+    check_config(cfg)
+    from .launcher import GroupError, launch
+    try:
+        result = launch(cfg)
+    except ConfigError as exc:
+        _fail(f"--{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}")
+    except GroupError as exc:
+        click.echo(f"moewatch runtime: {exc}", err=True)
+        sys.exit(1)
+    echo_result(result, cfg, as_json)
+
+
+def check_config(cfg: RuntimeConfig) -> None:
+    """Exit 2 with one line naming the flag when the config cannot run here (also `python -m moewatch.runtime`)."""
     try:
         validate(cfg)
     except ConfigError as exc:
@@ -95,14 +110,11 @@ def runtime(placement_file, no_probe, socket_path, as_json, **options) -> None:
         import torch
         if not torch.cuda.is_available():
             _fail("--backend nccl needs CUDA GPUs; none is visible")
-    from .launcher import GroupError, launch, result_json
-    try:
-        result = launch(cfg)
-    except ConfigError as exc:
-        _fail(f"--{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}")
-    except GroupError as exc:
-        click.echo(f"moewatch runtime: {exc}", err=True)
-        sys.exit(1)
+
+
+def echo_result(result, cfg: RuntimeConfig, as_json: bool) -> None:
+    """The run's report on stdout: JSON only with --json, else a few lines (also `python -m moewatch.runtime`)."""
+    from .launcher import result_json
     if as_json:
         click.echo(result_json(result))
         return

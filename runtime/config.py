@@ -67,14 +67,15 @@ class RuntimeConfig:
     migrate_layers_per_step: int = 1  # bound on the stall a plan adds to one step
     # (step, plan dict) pairs injected into rank 0's plan inbox as if they came from the agent
     scripted_plans: list = field(default_factory=list)
-    # {"rank": r, "epoch": e, "stage": "prepare" | "transfer"}: make that rank fail migrating to epoch e
+    # {"rank": r, "epoch": e, "stage": "prepare" | "transfer"}: make that rank fail migrating to epoch e;
+    # "stall" (with "seconds", "marker": a file written first) makes it hang before the weight exchange
     inject_migration_failure: dict | None = None
     # --- probe and telemetry ----------------------------------------------------------------------
     probe: bool = True
     window_steps: int | None = None  # None with no window_seconds: 50
     window_seconds: float | None = None
     traffic_max_ranks: int = 16  # carry the rank-to-rank matrix up to this many ranks
-    socket: str | None = None  # the agent's unix socket (the runtime connects as a client)
+    socket: str | None = None  # the agent's unix socket or tcp://HOST:PORT (the runtime connects as a client)
     windows_out: str | None = None  # also append every Window as one JSON line to this file
     return_windows: bool = False  # hand every Window (as a dict) back in the result (tests, demos)
     queue_size: int = 64
@@ -189,14 +190,18 @@ def validate(cfg: RuntimeConfig) -> RuntimeConfig:
         for layer in range(cfg.layers):
             if len(np.unique(pmap[layer])) != E:
                 raise ConfigError("placement", f"layer {layer}: every expert needs at least one slot")
-    if cfg.socket is not None and (not cfg.socket or len(cfg.socket.encode()) > 107):
-        raise ConfigError("socket", "a unix socket path must be 1 to 107 bytes long")
+    if cfg.socket is not None:
+        from .sender import agent_address
+        try:
+            agent_address(cfg.socket)
+        except ValueError as exc:
+            raise ConfigError("socket", str(exc)) from None
     if cfg.inject_migration_failure is not None:
         spec = cfg.inject_migration_failure
         if not isinstance(spec, dict) or not {"rank", "epoch"} <= set(spec):
             raise ConfigError("inject_migration_failure", "expected {'rank': r, 'epoch': e[, 'stage': ...]}")
-        if spec.get("stage", "transfer") not in ("prepare", "transfer"):
-            raise ConfigError("inject_migration_failure", "stage must be 'prepare' or 'transfer'")
+        if spec.get("stage", "transfer") not in ("prepare", "transfer", "stall"):
+            raise ConfigError("inject_migration_failure", "stage must be 'prepare', 'transfer' or 'stall'")
     for item in cfg.scripted_plans:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], dict)):
             raise ConfigError("scripted_plans", "expected (step, plan dict) pairs")

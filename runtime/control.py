@@ -12,7 +12,9 @@ slots filled, locally when the rank already holds the expert, otherwise by torch
 (batch_isend_irecv, one message per rank pair), into staging buffers; the model keeps running on
 the old placement meanwhile. Each migration step ends with an all_reduce of every rank's success, so
 a failure on any rank aborts on all ranks and leaves the old placement in force (the Ack reports the
-failure and the epoch kept). After the last changed layer, the window in progress is flushed and
+failure and the epoch kept). A collective that fails outright (a peer node died or hung past the
+group's timeout) is the caller's to catch: `peer_lost` then drops the staged weights, answers the
+plan with a failed Ack and leaves the old placement in force. After the last changed layer, the window in progress is flushed and
 every changed layer swaps its state at once: the new epoch starts with a fresh window, so no window
 mixes two placements, and the Ack reports the epoch now in force and the stall the migration added.
 """
@@ -166,6 +168,7 @@ class Controller:
             self._abort(error or f"rank {failed[0]} failed preparing the migration", failed)
             return
         try:
+            self._maybe_fail(m, "stall")
             self._exchange(sends, receives)
             self._unpack(m, batch, receives)
             self._maybe_fail(m, "transfer")
@@ -190,7 +193,19 @@ class Controller:
         spec = self.inject_failure
         if (spec and int(spec["rank"]) == self.rank and int(spec["epoch"]) == m.epoch
                 and spec.get("stage", "transfer") == stage):
+            if stage == "stall":  # a rank that hangs mid-migration (tests kill its node meanwhile)
+                if spec.get("marker"):
+                    with open(spec["marker"], "w", encoding="utf-8") as out:
+                        out.write(f"rank {self.rank} stalled migrating to epoch {m.epoch}\n")
+                time.sleep(float(spec.get("seconds", 3600.0)))
+                return
             raise MigrationError(f"injected failure ({stage})")
+
+    def peer_lost(self, why: str) -> None:
+        """A collective failed (a peer died or hung past the timeout): abandon a migration in progress
+        on this rank, old placement kept, and answer its plan with a failed Ack (rank 0)."""
+        if self.migration is not None:
+            self._abort(f"the EP group lost a peer mid-migration ({why})", failed_ranks=[])
 
     def _local_index(self, slot: int) -> int:
         return slot - self.engine.local_slots.start

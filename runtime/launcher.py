@@ -45,6 +45,11 @@ class GroupError(RuntimeError):
     """A rank of a spawned group failed; the message carries its traceback."""
 
 
+class PeerLost(RuntimeError):
+    """A collective failed on this rank (a peer died, or hung past the group's timeout): the group
+    is gone. The message names the epoch whose placement this rank kept."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -245,12 +250,31 @@ def build_probe(cfg: RuntimeConfig, rank: int, world_size: int, device: torch.de
         rank=rank, world_size=world_size, device=device, sinks=sinks)
 
 
-def run_rank(rank: int, world_size: int, cfg: RuntimeConfig) -> dict:
-    """The step loop of one rank (called inside an initialised process group)."""
+def run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int | None = None) -> dict:
+    """The step loop of one rank (called inside an initialised process group). local_rank picks the
+    GPU under torchrun (default: rank modulo the GPUs visible). Raises PeerLost when a collective
+    fails, after answering a plan in flight with a failed Ack."""
+    live: dict[str, Any] = {}
+    try:
+        return _run_rank(rank, world_size, cfg, rank if local_rank is None else local_rank, live)
+    except (RuntimeError, OSError) as exc:
+        if "controller" not in live or not (dist.is_initialized() and world_size > 1):
+            raise
+        # A peer is gone (gloo: connection closed, or the collective timed out): nothing more can be
+        # agreed. Keep the placement in force, tell the agent, and leave without waiting on anyone.
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        live["controller"].peer_lost(why)
+        if live.get("sender") is not None:
+            live["sender"].close()
+        raise PeerLost(f"rank {rank}: the EP group lost a peer ({why}); "
+                       f"placement of epoch {live['controller'].engine.epoch} kept") from None
+
+
+def _run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int, live: dict) -> dict:
     stop_flag = _StopFlag()
     signal.signal(signal.SIGTERM, stop_flag)
     signal.signal(signal.SIGINT, stop_flag)
-    device = _device_for(cfg, rank)
+    device = _device_for(cfg, local_rank)
     inbox: queue_module.Queue = queue_module.Queue()
     windows: list[dict] = []
     sinks: list = []
@@ -276,6 +300,7 @@ def run_rank(rank: int, world_size: int, cfg: RuntimeConfig) -> dict:
         probe.set_placement(engine.epoch, engine.placement, engine.capacity)
     controller = Controller(engine, probe=probe, inbox=inbox, ack=sender.send_control if sender else None,
                             layers_per_step=cfg.migrate_layers_per_step, inject_failure=cfg.inject_migration_failure)
+    live.update(controller=controller, sender=sender)
     workload = Workload(cfg, rank)
     scripted = sorted((int(step), plan) for step, plan in cfg.scripted_plans) if rank == 0 else []
     if sender is not None:

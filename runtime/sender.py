@@ -1,6 +1,7 @@
 """The probe's non-blocking link to the agent: bounded queues and one background thread.
 
-The runtime is the client of the agent's unix stream socket. The thread connects (retrying with
+The runtime is the client of the agent's stream socket: a unix path, or `tcp://HOST:PORT` when the
+agent runs on another node (the agent's TCP listener speaks the same frames). The thread connects (retrying with
 exponential backoff while the agent is absent), sends a wire.Hello first on every connection, then
 writes queued frames (windows, acks, heartbeats) and reads what the agent sends back: Plan frames go
 to `on_plan` (rank 0's control inbox). Enqueueing never blocks: when a queue is full the oldest
@@ -20,6 +21,26 @@ from typing import Callable
 from moewatch import wire
 from moewatch.plan import Plan
 from moewatch.telemetry import Window
+
+TCP_SCHEME = "tcp://"
+
+
+def agent_address(text: str) -> tuple[str, object]:
+    """`/run/moewatch/moewatch.sock` -> ("unix", path); `tcp://HOST:PORT` (`tcp://[::1]:PORT` for
+    IPv6) -> ("tcp", (host, port)). Raises ValueError saying what is wrong."""
+    if not isinstance(text, str) or not text:
+        raise ValueError("expected a unix socket path or tcp://HOST:PORT")
+    if not text.startswith(TCP_SCHEME):
+        if len(text.encode()) > 107:  # sun_path holds 108 bytes with its terminator
+            raise ValueError("a unix socket path must be 1 to 107 bytes long")
+        return "unix", text
+    rest = text[len(TCP_SCHEME):]
+    host, sep, port = rest.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected tcp://HOST:PORT with a port in 1..65535, got {text!r}")
+    return "tcp", (host, int(port))
 
 
 @dataclass
@@ -41,6 +62,7 @@ class Sender:
                  backoff_initial: float = 0.05, backoff_max: float = 2.0, poll_seconds: float = 0.02,
                  send_timeout: float = 2.0):
         self.path = path
+        self.address = agent_address(path)
         self._hello = hello
         self._on_plan = on_plan
         self._heartbeat = heartbeat
@@ -131,11 +153,29 @@ class Sender:
     def _pending(self) -> bool:
         return bool(self._windows or self._control)
 
-    def _connect(self) -> bool:
+    def _open(self) -> socket.socket:
+        kind, where = self.address
+        if kind == "tcp":
+            sock = socket.create_connection(where, timeout=self.send_timeout)
+            # Small control frames (acks, heartbeats) must not wait for Nagle's timer.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self.send_timeout)
-            sock.connect(self.path)
+            sock.connect(where)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _connect(self) -> bool:
+        try:
+            sock = self._open()
+        except OSError:
+            self.stats.connect_failures += 1
+            return False
+        try:
             sock.sendall(wire.encode(self._hello()))
         except OSError:
             sock.close()

@@ -84,23 +84,28 @@ def naive():
 
 
 class FakeAgent:
-    """A unix-socket server speaking moewatch.wire, standing in for the agent.
+    """A unix-socket (or, with tcp, a loopback TCP) server speaking moewatch.wire, standing in for the
+    agent; `path` is then what the runtime's --socket takes (`tcp://127.0.0.1:PORT` for TCP).
 
     Records every message with the index of its connection; `react(message, agent)` may answer.
     """
 
-    def __init__(self, path, react=None):
+    def __init__(self, path, react=None, tcp=False):
         import socket
         import threading
 
-        self.path = str(path)
         self.react = react
         self.messages = []  # (connection index, message)
         self.errors = []
         self.connections = 0
         self._conn = None
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._server.bind(self.path)
+        if tcp:
+            self._server = socket.create_server(("127.0.0.1", 0))
+            self.path = f"tcp://127.0.0.1:{self._server.getsockname()[1]}"
+        else:
+            self.path = str(path)
+            self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._server.bind(self.path)
         self._server.listen(4)
         self._server.settimeout(0.1)
         self._stop = threading.Event()
@@ -171,8 +176,8 @@ class FakeAgent:
 def fake_agent(tmp_path):
     agents = []
 
-    def start(react=None, name="agent.sock"):
-        agent = FakeAgent(tmp_path / name, react)
+    def start(react=None, name="agent.sock", tcp=False):
+        agent = FakeAgent(tmp_path / name, react, tcp=tcp)
         agents.append(agent)
         return agent
 

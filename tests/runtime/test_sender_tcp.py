@@ -1,0 +1,89 @@
+"""The runtime reaches an agent on another node: `--socket tcp://HOST:PORT` (or MOEWATCH_SOCKET), the
+same frames as over the unix socket, checked against a loopback TCP listener that decodes them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moewatch import wire
+from moewatch.plan import Plan
+from moewatch.runtime.config import ConfigError, RuntimeConfig, validate
+from moewatch.runtime.sender import Sender, agent_address
+from moewatch.telemetry import Window
+
+
+def _hello() -> wire.Hello:
+    return wire.Hello(runtime="moewatch-runtime", model="m", ep_group="g", world_size=1, num_layers=1,
+                      num_experts=2, num_slots=2, capabilities=("plan", "capacity"))
+
+
+def _wait(predicate, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("/run/moewatch/moewatch.sock", ("unix", "/run/moewatch/moewatch.sock")),
+    ("tcp://10.0.0.7:7071", ("tcp", ("10.0.0.7", 7071))),
+    ("tcp://agent.ep0.svc:7071", ("tcp", ("agent.ep0.svc", 7071))),
+    ("tcp://[::1]:7071", ("tcp", ("::1", 7071))),
+])
+def test_agent_address_forms(text, expected):
+    assert agent_address(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "tcp://host", "tcp://:7071", "tcp://host:0", "tcp://host:70000",
+                                  "tcp://host:port", "/tmp/" + "s" * 120])
+def test_bad_addresses_are_refused_naming_the_field(text):
+    with pytest.raises(ValueError):
+        agent_address(text)
+    with pytest.raises(ConfigError) as caught:
+        validate(RuntimeConfig(socket=text))
+    assert caught.value.field == "socket"
+
+
+def test_frames_go_out_and_plans_come_back_over_tcp(fake_agent):
+    agent = fake_agent(tcp=True)
+    assert agent.path.startswith("tcp://127.0.0.1:")
+    plans = []
+    sender = Sender(agent.path, _hello, on_plan=plans.append, heartbeat_seconds=0.05,
+                    heartbeat=lambda: wire.Heartbeat(time=time.time(), epoch=0, step=1)).start()
+    try:
+        assert _wait(lambda: agent.messages)
+        assert isinstance(agent.messages[0][1], wire.Hello), "hello first"
+        sender.send_control(wire.Ack(plan_epoch=1, epoch_in_force=1, ok=True))
+        assert _wait(lambda: agent.of_type(wire.Ack) and agent.of_type(wire.Heartbeat))
+        agent.send(Plan(3, [[1, 0]], [0.0]))
+        assert _wait(lambda: plans)
+        assert plans[0].epoch == 3
+        # The agent goes away and comes back: a new connection, a new hello.
+        agent.drop_connection()
+        assert _wait(lambda: agent.connections == 2 and len(agent.of_type(wire.Hello)) == 2)
+    finally:
+        stats = sender.close()
+    assert stats.connects == 2 and stats.frames_rejected == 0
+
+
+@pytest.mark.slow
+def test_moewatch_runtime_delivers_its_windows_over_tcp_from_the_environment(fake_agent):
+    agent = fake_agent(tcp=True)
+    env = {**os.environ, "MOEWATCH_SOCKET": agent.path}
+    proc = subprocess.run([sys.executable, "-m", "moewatch.cli", "runtime", "--ranks", "2", "--layers", "1",
+                           "--experts", "4", "--hidden", "16", "--ffn", "32", "--batch-tokens", "32",
+                           "--steps", "12", "--window-steps", "4", "--threads-per-rank", "1", "--json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["sender"]["connects"] == 1 and result["sender"]["frames_dropped"] == 0
+    assert _wait(lambda: len(agent.of_type(Window)) == result["windows_built"] == 3)
+    assert agent.of_type(wire.Hello)[0].world_size == 2 and not agent.errors
