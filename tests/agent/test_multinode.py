@@ -31,6 +31,11 @@ RUNTIME = ["--layers", "2", "--experts", "8", "--slots", "10", "--hidden", "32",
 COLLECTIVE_TIMEOUT = 20
 
 
+# c10d numbers the nodes in the order of their addresses: "127.0.0.1" sorts before "localhost", so
+# node 0 runs global rank 0 (as the leader pod does in agent/deploy/kubernetes-multinode.yaml).
+LOCAL_ADDRS = ("127.0.0.1", "localhost")
+
+
 def start_nodes(tmp: Path, *runtime_args: str) -> list[subprocess.Popen]:
     """Two torchrun processes forming one EP group of 2 ranks, 1 per node (node 0 hosts the store)."""
     port = free_port()
@@ -39,7 +44,7 @@ def start_nodes(tmp: Path, *runtime_args: str) -> list[subprocess.Popen]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mw{port}",
                "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}", "--max-restarts", "0",
-               "-m", "moewatch.runtime", *runtime_args]
+               "--local-addr", LOCAL_ADDRS[node], "-m", "moewatch.runtime", *runtime_args]
         nodes.append(subprocess.Popen(cmd, stdout=open(tmp / f"node{node}.out", "w"),
                                       stderr=open(tmp / f"node{node}.err", "w"), start_new_session=True))
     return nodes
@@ -73,12 +78,11 @@ def stop_nodes(nodes: list[subprocess.Popen], sig=signal.SIGKILL) -> None:
 
 
 def result_of(tmp: Path) -> dict:
-    """Rank 0's JSON result, from whichever node it ran on."""
-    for node in range(2):
-        lines = [line for line in (tmp / f"node{node}.out").read_text().splitlines() if line.startswith("{")]
-        if lines:
-            return json.loads(lines[-1])
-    raise AssertionError("no result: " + (tmp / "node0.err").read_text()[-2000:] + (tmp / "node1.err").read_text()[-2000:])
+    """Rank 0's JSON result: node 0 prints it, node 1 prints nothing."""
+    assert (tmp / "node1.out").read_text() == ""
+    lines = [line for line in (tmp / "node0.out").read_text().splitlines() if line.startswith("{")]
+    assert lines, "no result: " + (tmp / "node0.err").read_text()[-2000:]
+    return json.loads(lines[-1])
 
 
 @pytest.mark.slow
@@ -152,6 +156,7 @@ def test_a_node_killed_mid_migration_leaves_the_survivor_on_the_old_placement(st
         # Rank 1 stops inside the migration to epoch 1, after every rank agreed to move weights.
         assert helpers.wait_for(marker.exists, timeout=60), (short_tmp / "node1.err").read_text()[-2000:]
         doomed = next(i for i, node in enumerate(nodes) if 1 in workers(node))
+        assert doomed == 1 and 0 in workers(nodes[0]), "node 0 runs rank 0"
         survivor = nodes[1 - doomed]
         killed_at = time.monotonic()
         stop_nodes([nodes[doomed]])
