@@ -202,11 +202,59 @@ def overview() -> dash_b.Dashboard:
     board = base("moewatch-overview", "moewatch / overview",
                  "Every MoE layer's verdict, the worst layers, step time and what the agent did about it.")
     return with_panels(board.variables(variables(with_layer=False)), [
+        ("Fleet: where the time is", fleet_panels()),
         ("Now", header),
         ("Layers", [verdicts, worst_unhealthy, worst_a2a]),
         ("Serving", [step, tokens]),
         ("Agent decisions", [actions, rollbacks]),
     ])
+
+
+def fleet_panels() -> list[Any]:
+    """Many EP groups, one agent each, one Prometheus: groups and their worst layers ranked by the
+    seconds at stake (alerts/moewatch_recording.yml, group moewatch-fleet), the worst first."""
+    at_stake = ("Seconds a layer's best action would save per step, times the group's steps per second: "
+                "the share of the group's serving time at stake.")
+    groups = (bargauge.Panel().title("Groups by time at stake")
+              .description(f"EP groups ranked by the time all their layers have at stake, top 20. {at_stake}")
+              .datasource(DS).span(9).height(10).unit("percentunit").min(0)
+              .with_target(query(f"sort_desc(topk(20, group:moewatch_seconds_at_stake:rate5m{{{GROUP_SEL}}}))",
+                                 "{{model}}/{{ep_group}}", "A", instant=True))
+              .display_mode(common.BarGaugeDisplayMode.GRADIENT)
+              .orientation(common.VizOrientation.HORIZONTAL)
+              .thresholds(thresholds((None, "green"), (0.05, "orange"), (0.2, "red"))))
+    worst = (bargauge.Panel().title("Worst layer of each group")
+             .description(f"Each group's layer with the most at stake, groups ranked by it: the first bar is the "
+                          f"worst layer of the worst group. {at_stake}")
+             .datasource(DS).span(9).height(10).unit("percentunit").min(0)
+             .with_target(query(f"sort_desc(topk(20, group:moewatch_worst_layer_seconds_at_stake:rate5m"
+                                f"{{{GROUP_SEL}}}))", "{{model}}/{{ep_group}} layer {{layer}}", "A", instant=True))
+             .display_mode(common.BarGaugeDisplayMode.GRADIENT)
+             .orientation(common.VizOrientation.HORIZONTAL)
+             .thresholds(thresholds((None, "green"), (0.05, "orange"), (0.2, "red")))
+             .data_links([dash_b.DashboardLink("Open ${__field.labels.ep_group} layer ${__field.labels.layer}")
+                          .type(dash_m.DashboardLinkType.LINK).url(
+                              "/d/moewatch-layer?var-datasource=${datasource}&var-model=${__field.labels.model}"
+                              "&var-ep_group=${__field.labels.ep_group}&var-layer=${__field.labels.layer}"
+                              "&${__url_time_range}")]))
+    fleet_stake = (stat.Panel().title("Fleet time at stake")
+                   .description(f"Summed over every group (not filtered). {at_stake}")
+                   .unit("percentunit").datasource(DS).span(6).height(5)
+                   .with_target(query("fleet:moewatch_seconds_at_stake:rate5m", "", "A"))
+                   .thresholds(thresholds((None, "green"), (0.05, "orange")))
+                   .color_mode(common.BigValueColorMode.VALUE).graph_mode(common.BigValueGraphMode.AREA))
+    fleet_unhealthy = (stat.Panel().title("Groups with an unhealthy layer")
+                       .description("EP groups (all of them, not filtered) with at least one layer not healthy.")
+                       .unit("short").datasource(DS).span(6).height(5)
+                       .with_target(query("fleet:moewatch_groups_unhealthy:count", "", "A"))
+                       .thresholds(thresholds((None, "green"), (1, "orange")))
+                       .color_mode(common.BigValueColorMode.VALUE).graph_mode(common.BigValueGraphMode.AREA))
+    cross_node = series_panel(
+        "Cross-node share per layer", "Share of pairs computed on another node, over the slower inter-node "
+        "(RDMA) link, for groups that span nodes; 0 on one node.", "percentunit",
+        [query(f"layer:moewatch_layer_cross_node_ratio:max{{{GROUP_SEL}}}", "{{ep_group}} layer {{layer}}", "A")],
+        width=24)
+    return [worst, groups, fleet_stake, fleet_unhealthy, cross_node]
 
 
 def layer() -> dash_b.Dashboard:

@@ -170,4 +170,4 @@ def test_rules_name_only_exported_or_recorded_metrics():
 def test_recording_rules_follow_level_metric_operation():
     for name in RECORDS:
         level, metric, operation = name.split(":")
-        assert level in {"layer", "group"} and metric.startswith("moewatch_") and operation, name
+        assert level in {"layer", "group", "fleet"} and metric.startswith("moewatch_") and operation, name
