@@ -212,7 +212,7 @@ def overview() -> dash_b.Dashboard:
 
 def fleet_panels() -> list[Any]:
     """Many EP groups, one agent each, one Prometheus: groups and their worst layers ranked by the
-    seconds at stake (alerts/moewatch_recording.yml, group moewatch-fleet), the worst first."""
+    seconds at stake (the fleet rules at the end of alerts/moewatch_recording.yml), the worst first."""
     at_stake = ("Seconds a layer's best action would save per step, times the group's steps per second: "
                 "the share of the group's serving time at stake.")
     groups = (bargauge.Panel().title("Groups by time at stake")
