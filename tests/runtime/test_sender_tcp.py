@@ -3,10 +3,6 @@ same frames as over the unix socket, checked against a loopback TCP listener tha
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,7 +11,6 @@ from moewatch import wire
 from moewatch.plan import Plan
 from moewatch.runtime.config import ConfigError, RuntimeConfig, validate
 from moewatch.runtime.sender import Sender, agent_address
-from moewatch.telemetry import Window
 
 
 def _hello() -> wire.Hello:
@@ -72,18 +67,3 @@ def test_frames_go_out_and_plans_come_back_over_tcp(fake_agent):
     finally:
         stats = sender.close()
     assert stats.connects == 2 and stats.frames_rejected == 0
-
-
-@pytest.mark.slow
-def test_moewatch_runtime_delivers_its_windows_over_tcp_from_the_environment(fake_agent):
-    agent = fake_agent(tcp=True)
-    env = {**os.environ, "MOEWATCH_SOCKET": agent.path}
-    proc = subprocess.run([sys.executable, "-m", "moewatch.cli", "runtime", "--ranks", "2", "--layers", "1",
-                           "--experts", "4", "--hidden", "16", "--ffn", "32", "--batch-tokens", "32",
-                           "--steps", "12", "--window-steps", "4", "--threads-per-rank", "1", "--json"],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
-    assert result["sender"]["connects"] == 1 and result["sender"]["frames_dropped"] == 0
-    assert _wait(lambda: len(agent.of_type(Window)) == result["windows_built"] == 3)
-    assert agent.of_type(wire.Hello)[0].world_size == 2 and not agent.errors

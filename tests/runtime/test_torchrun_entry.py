@@ -50,12 +50,18 @@ def test_bad_input_exits_2_with_one_line(monkeypatch, env, args, named):
 
 
 @pytest.mark.slow
-def test_a_one_process_group_prints_the_result_like_moewatch_runtime():
+def test_a_one_process_group_reports_to_an_agent_over_tcp_and_prints_the_result(fake_agent):
+    """Rank 0 finds the agent through MOEWATCH_SOCKET=tcp://...: hello first, every window delivered."""
+    import time
+
     import torch.distributed as dist
 
+    from moewatch import wire
     from moewatch.runtime.launcher import free_port
+    from moewatch.telemetry import Window
 
-    env = {**TORCHRUN, "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
+    agent = fake_agent(tcp=True)
+    env = {**TORCHRUN, "WORLD_SIZE": "1", "MASTER_PORT": str(free_port()), "MOEWATCH_SOCKET": agent.path}
     # The rank installs its stop handlers in this process: give pytest its own back afterwards.
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -68,4 +74,11 @@ def test_a_one_process_group_prints_the_result_like_moewatch_runtime():
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["config"]["ranks"] == 1 and out["windows_built"] == 2 and out["pairs_lost"] == 0
+    assert out["config"]["socket"] == agent.path and out["sender"]["frames_dropped"] == 0
     assert not dist.is_initialized()
+    deadline = time.monotonic() + 10
+    while len(agent.of_type(Window)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(agent.of_type(Window)) == 2 and not agent.errors
+    hello = agent.messages[0][1]
+    assert isinstance(hello, wire.Hello) and hello.world_size == 1 and hello.ranks_per_node == 1
