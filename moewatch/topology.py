@@ -93,9 +93,11 @@ def migration_seconds(old_row: np.ndarray, new_row: np.ndarray, world_size: int,
     node = node_of_rank(world_size, ranks_per_node)
     slot_node = node[np.arange(P) // (P // world_size)]
     changed = np.flatnonzero(old_row != new_row)
-    seconds = 0.0
-    for slot in changed:
-        holders = slot_node[old_row == new_row[slot]]
-        same_node = bool((holders == slot_node[slot]).any())
-        seconds += expert_bytes / (intra_bytes_per_second if same_node else inter_bytes_per_second)
-    return float(seconds)
+    if changed.size == 0:
+        return 0.0
+    nodes = int(node.max()) + 1
+    held = np.zeros((int(max(old_row.max(), new_row.max())) + 1, nodes), dtype=bool)  # [expert, node]
+    held[old_row, slot_node] = True
+    near = held[new_row[changed], slot_node[changed]]  # [changed] a holder on the slot's own node
+    per_slot = np.where(near, expert_bytes / intra_bytes_per_second, expert_bytes / inter_bytes_per_second)
+    return float(per_slot.sum())

@@ -62,3 +62,22 @@ def test_evidence_names_the_inter_node_link_only_for_groups_that_span_nodes():
     line = topology.cross_node_evidence(0.4, 0.2, 8, 4, True, 0.1)
     assert "40% of pairs cross nodes" in line and "2 nodes of 4 ranks" in line and "node-aware" in line
     assert "unknown" in topology.cross_node_evidence(None, 0.2, 8, 4, False, 0.1)
+
+
+def test_migration_seconds_matches_a_slot_by_slot_recount():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        W, G, E = 8, int(rng.choice([1, 2, 4, 8])), 12
+        P = 16
+        old = np.concatenate([np.arange(E), rng.integers(0, E, P - E)])
+        new = np.concatenate([rng.permutation(E), rng.integers(0, E, P - E)])
+        expected = 0.0
+        for slot in range(P):  # the documented rule, one slot at a time
+            if old[slot] == new[slot]:
+                continue
+            node = slot // (P // W) // G
+            sources = [s // (P // W) // G for s in range(P) if old[s] == new[slot]]
+            expected += 1.0 / (10.0 if node in sources else 1.0)
+        got = topology.migration_seconds(old, new, W, G, expert_bytes=1.0, intra_bytes_per_second=10.0,
+                                         inter_bytes_per_second=1.0)
+        assert got == pytest.approx(expected)
