@@ -14,9 +14,10 @@ the old placement meanwhile. Each migration step ends with an all_reduce of ever
 a failure on any rank aborts on all ranks and leaves the old placement in force (the Ack reports the
 failure and the epoch kept). A collective that fails outright (a peer node died or hung past the
 group's timeout) is the caller's to catch: `peer_lost` then drops the staged weights, answers the
-plan with a failed Ack and leaves the old placement in force. After the last changed layer, the window in progress is flushed and
-every changed layer swaps its state at once: the new epoch starts with a fresh window, so no window
-mixes two placements, and the Ack reports the epoch now in force and the stall the migration added.
+plan with a failed Ack and leaves the old placement in force. After the last changed layer, the
+window in progress is flushed and every changed layer swaps its state at once: the new epoch starts
+with a fresh window, so no window mixes two placements, and the Ack reports the epoch now in force
+and the stall the migration added.
 """
 
 from __future__ import annotations
