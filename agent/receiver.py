@@ -222,6 +222,7 @@ class Receiver:
         self._paused_until = 0.0
         self._throttle = Throttle(limits.log_interval)
         self.tcp_port: int | None = None
+        self.accept_failures = 0  # accepts that failed for lack of descriptors
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -404,6 +405,7 @@ class Receiver:
 
     def _out_of_descriptors(self, listener: socket.socket, exc: OSError) -> None:
         """EMFILE: refuse the pending peer with the spare descriptor, then pause accepting a moment."""
+        self.accept_failures += 1
         self.on_refused("out_of_descriptors")
         self._log_throttled("emfile", logging.ERROR,
                             "out of file descriptors (%s) with %d connections open: refusing new ones; "
