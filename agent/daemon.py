@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import signal
 import threading
 import time
@@ -102,6 +103,8 @@ class Daemon:
         self._conn_lock = threading.Lock()
         self._stop = threading.Event()
         self._stopped = False
+        self._acks: queue.Queue = queue.Queue(maxsize=1024)
+        self._ack_thread: threading.Thread | None = None
         self.started_at: float | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -156,6 +159,8 @@ class Daemon:
                                                           "" if self.jobs.running else "scheduler stopped")
         self.health.liveness["socket"] = lambda: Check("socket", self.receiver.listening, str(cfg.socket))
         self.health.readiness["audit_log"] = lambda: Check("audit_log", self.audit.writable(), str(cfg.audit_log))
+        self._ack_thread = threading.Thread(target=self._ack_loop, name="moewatch-acks", daemon=True)
+        self._ack_thread.start()
         self.jobs.add("triage", self.triage_job, cfg.triage_interval_seconds)
         self.jobs.add("plan", self.plan_job, cfg.plan_interval_seconds)
         self.jobs.add("export", self.export_job, cfg.export_interval_seconds)
@@ -187,6 +192,9 @@ class Daemon:
         self.notifier.stopping()
         if self.receiver is not None:
             self.receiver.stop()
+        if self._ack_thread is not None:
+            self._acks.put(None)
+            self._ack_thread.join(10)
         self.jobs.shutdown()
         if self.web is not None:
             self.web.stop()
@@ -239,7 +247,13 @@ class Daemon:
                 return "mismatch"
             return group.accept_window(msg)
         if isinstance(msg, Ack):
-            return self.controller.on_ack(group, msg)
+            # Off the receiver's thread: the controller's lock can be held by a planning run, and the
+            # receiver serves every connection.
+            try:
+                self._acks.put_nowait((conn, group, msg))
+            except queue.Full:
+                return "backlog"
+            return None
         if isinstance(msg, Heartbeat):
             # The runtime reports its process's cumulative count; the group keeps it across reconnects
             # of the same process (GroupStore.on_hello resets it for a new one), so only growth counts.
@@ -254,6 +268,20 @@ class Daemon:
         if isinstance(msg, Plan):
             return "unexpected"  # plans flow agent -> runtime only
         return "unexpected"
+
+    def _ack_loop(self) -> None:
+        while True:
+            item = self._acks.get()
+            if item is None:
+                return
+            conn, group, ack = item
+            try:
+                reason = self.controller.on_ack(group, ack)
+            except Exception:
+                log.exception("ack handling failed")
+                reason = "handler_error"
+            if reason is not None:
+                self._on_reject(conn, reason, f"ack rejected: {reason}")
 
     def _on_hello(self, conn: Connection, hello: Hello) -> str | None:
         key = (hello.model, hello.ep_group)

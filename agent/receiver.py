@@ -125,6 +125,7 @@ class Connection:
         self.close_reason: str | None = None
         self.decoder = wire.FrameDecoder(max_frame_bytes)
         self.frame_started: float | None = None
+        self.pending_seen = 0  # this connection's share of the receiver's buffered bytes
         self.group = None  # set by the daemon after a hello
         self.hello = None
 
@@ -223,6 +224,7 @@ class Receiver:
         self._throttle = Throttle(limits.log_interval)
         self.tcp_port: int | None = None
         self.accept_failures = 0  # accepts that failed for lack of descriptors
+        self._buffered = 0  # partial-frame bytes across connections (loop thread only)
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -446,10 +448,14 @@ class Receiver:
             return
         items = conn.decoder.feed(data)
         pending = conn.decoder.pending_bytes
-        if pending and conn.frame_started is None:
-            conn.frame_started = time.monotonic()
-        elif not pending:
+        # The deadline runs from the first byte of the frame now in progress (a steady stream of
+        # frames whose reads end mid-frame keeps moving it on).
+        if not pending:
             conn.frame_started = None
+        elif items or conn.frame_started is None:
+            conn.frame_started = time.monotonic()
+        self._buffered += pending - conn.pending_seen
+        conn.pending_seen = pending
         for item in items:
             if isinstance(item, FrameError):
                 self.on_reject(conn, classify(item), item.reason)
@@ -467,14 +473,14 @@ class Receiver:
                 reason = "handler_error"
             if reason is not None:
                 self.on_reject(conn, reason, f"{type(item).__name__.lower()} rejected: {reason}")
-        if pending and self._buffered_bytes() > self.limits.buffer_budget:
+        if pending and self._buffered > self.limits.buffer_budget:
             self.on_reject(conn, "buffer_budget", f"partial frames across connections exceed "
                                                   f"{self.limits.buffer_budget} bytes")
             conn.close("buffer_budget")
 
     def _buffered_bytes(self) -> int:
-        with self._lock:
-            return sum(c.decoder.pending_bytes for c in self._connections.values())
+        """Bytes of partial frames held across all connections (kept as a running total)."""
+        return self._buffered
 
     def _write(self, conn: Connection) -> None:
         try:
@@ -508,6 +514,8 @@ class Receiver:
         if known is None:
             return
         conn.closed.set()
+        self._buffered -= conn.pending_seen
+        conn.pending_seen = 0
         try:
             self._selector.unregister(conn.sock)
         except (KeyError, ValueError):
