@@ -27,7 +27,7 @@ from .audit import AuditLog, jsonable
 from .config import AgentConfig
 from .controller import Controller
 from .exporters import MetricsState, init_group, init_jobs, init_static, make_registry, record_window, render
-from .health import Check, Health, SystemdNotifier, WebServer, health_body
+from .health import Check, Health, HttpSecurity, SystemdNotifier, WebServer, health_body
 from .jobs import Jobs
 from .receiver import Connection, Limits, Receiver, TcpListenError, Throttle
 from .store import GroupStore, Store, TriagedWindow
@@ -73,9 +73,7 @@ def check_hello(hello: Hello, cfg: AgentConfig) -> tuple[str, str] | None:
     return None
 
 
-def http_security(cfg: AgentConfig):
-    from .health import HttpSecurity
-
+def http_security(cfg: AgentConfig) -> HttpSecurity:
     return HttpSecurity.from_files(cfg.tls_cert_file, cfg.tls_key_file, cfg.basic_auth_user,
                                    cfg.basic_auth_password_file)
 
