@@ -29,7 +29,8 @@ from .controller import Controller
 from .exporters import MetricsState, init_group, init_jobs, init_static, make_registry, record_window, render
 from .health import Check, Health, HttpSecurity, SystemdNotifier, WebServer, health_body
 from .jobs import Jobs
-from .receiver import Connection, Limits, Receiver, TcpListenError, Throttle
+from .receiver import Connection, Limits, Receiver, TcpListenError
+from .throttle import Throttle
 from .store import GroupStore, Store, TriagedWindow
 
 log = logging.getLogger("moewatch.agent")

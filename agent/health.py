@@ -175,7 +175,7 @@ class WebServer:
         security = security or HttpSecurity()
         slots = threading.BoundedSemaphore(max_connections)
         refused = on_refused or (lambda: None)
-        from .receiver import Throttle
+        from .throttle import Throttle
 
         throttle = Throttle(log_interval)
 

@@ -35,7 +35,7 @@ _FILTER = _SkippedRunFilter()
 class Jobs:
     def __init__(self, on_error: Callable[[str], None], on_misfire: Callable[[str], None],
                  log_interval: float = 60.0):
-        from .receiver import Throttle
+        from .throttle import Throttle
 
         self._throttle = Throttle(log_interval)
         for name in ("apscheduler.scheduler", "apscheduler.executors.default"):

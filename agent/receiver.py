@@ -47,6 +47,8 @@ from typing import Callable
 from moewatch import wire
 from moewatch.wire import FrameError
 
+from .throttle import Throttle
+
 log = logging.getLogger("moewatch.agent.receiver")
 
 # Descriptors kept free for everything but peers (HTTP scrapes and probes, the audit log, imports).
@@ -70,28 +72,6 @@ def classify(error: FrameError) -> str:
 
 class TcpListenError(OSError):
     """The TCP listener could not be set up (the unix socket could)."""
-
-
-class Throttle:
-    """At most one log line per key per interval; the lines held back are counted into the next one."""
-
-    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic):
-        self.interval = interval
-        self.clock = clock
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = collections.defaultdict(int)
-        self._lock = threading.Lock()
-
-    def __call__(self, key: str) -> int | None:
-        """None: stay quiet. Else the number of lines held back since the last one (log it)."""
-        now = self.clock()
-        with self._lock:
-            last = self._last.get(key)
-            if last is not None and now - last < self.interval:
-                self._held[key] += 1
-                return None
-            self._last[key] = now
-            return self._held.pop(key, 0)
 
 
 @dataclass(frozen=True)
