@@ -8,9 +8,11 @@ shutdown (SIGTERM) leaves everything on disk.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -42,8 +44,18 @@ class AuditLog:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # O_APPEND: every write lands at the end even if another process appends too.
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        # O_APPEND: every write lands at the end even if another process appends too. O_NOFOLLOW: a
+        # symlink planted at the path is refused, never followed to someone else's file.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            if stat.S_IMODE(st.st_mode) != 0o640:
+                os.fchmod(fd, 0o640)  # decisions are not for every local user: reset a wider mode
+        except OSError:
+            os.close(fd)
+            raise
         self._file = os.fdopen(fd, "a", encoding="utf-8")
         self._lock = threading.Lock()
         self.records_written = 0

@@ -108,6 +108,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moewatch_frames_received_total", "counter", ("type",), "Frames received, by type."),
     MetricSpec("moewatch_frames_rejected_total", "counter", ("reason",),
                "Frames rejected (malformed, oversized, out_of_order, stale_epoch, invalid_window...)."),
+    MetricSpec("moewatch_connections_refused_total", "counter", ("reason",),
+               "Runtime connections refused at accept (max_connections, out_of_descriptors) or HTTP "
+               "connections refused (http_max_connections)."),
+    MetricSpec("moewatch_connections_closed_total", "counter", ("reason",),
+               "Runtime connections the agent closed on a peer (slow_reader, frame_deadline, buffer_budget)."),
+    MetricSpec("moewatch_groups_retired_total", "counter", (), "EP groups forgotten after their runtime left."),
     MetricSpec("moewatch_job_errors_total", "counter", ("task",), "Scheduled job runs that raised."),
     MetricSpec("moewatch_job_misfires_total", "counter", ("task",), "Scheduled job runs missed."),
     MetricSpec("moewatch_agent_mode", "gauge", ("mode",), "1 for the agent's mode (observe, recommend, act)."),

@@ -20,8 +20,19 @@ def fail_input(message: str) -> None:
     sys.exit(2)
 
 
-@click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+class OneLineErrors(click.Command):
+    """A command whose usage errors (unknown flag, a value of the wrong type) follow the contract:
+    one line on stderr and exit 2, not click's usage block."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            fail_input(" ".join(exc.format_message().split()))
+
+
+@click.command(cls=OneLineErrors)
+@click.option("--config", "config_path", default=None, metavar="FILE",
               help="YAML configuration (every field below; thresholds under `thresholds:`).")
 @click.option("--print-config", is_flag=True, help="Print the resolved configuration as JSON and exit.")
 @config_options

@@ -52,6 +52,40 @@ class AgentConfig:
     listen: str = _f("127.0.0.1:9477", "HOST:PORT of the HTTP server (/metrics, /healthz, /readyz, /status)")
     max_frame_bytes: int = _f(16 * 1024 * 1024, "largest frame accepted; a larger one closes the connection",
                               kind=int, lo=1024, hi=64 * 1024 * 1024)
+    tcp_listen: str = _f("", "HOST:PORT of an optional TCP listener speaking the socket's frames (a bare PORT "
+                             "listens on 127.0.0.1; empty: none)")
+    # --- what a peer may cost (hostile or broken runtimes)
+    max_connections: int = _f(256, "runtime connections open at once (socket and TCP); more are refused and "
+                                   "counted", kind=int, lo=1, hi=1_000_000)
+    frame_deadline_seconds: float = _f(10.0, "a frame that started to arrive must be complete within this, and a "
+                                             "queued plan must leave within this; else the connection is closed",
+                                       kind=float, lo=0.01, hi=3600)
+    buffer_budget_bytes: int = _f(256 * 1024 * 1024, "partial frames held across all connections; the connection "
+                                                     "that would exceed it is closed", kind=int, lo=1024,
+                                  hi=1 << 40)
+    max_outbox_bytes: int = _f(16 * 1024 * 1024, "plan bytes queued for one runtime that does not read before "
+                                                 "its connection is closed", kind=int, lo=1024, hi=1 << 34)
+    max_world_size: int = _f(4096, "largest world_size a hello may declare", kind=int, lo=1, hi=1 << 20)
+    max_num_layers: int = _f(1024, "most MoE layers a hello may declare", kind=int, lo=1, hi=1 << 20)
+    max_num_experts: int = _f(8192, "most experts per layer a hello may declare", kind=int, lo=1, hi=1 << 24)
+    max_num_slots: int = _f(131072, "most physical slots per layer a hello may declare", kind=int, lo=1,
+                            hi=1 << 26)
+    group_retire_seconds: float = _f(3600.0, "a group whose runtime left and sent nothing for this long is "
+                                             "forgotten and its series removed", kind=float, lo=0.1,
+                                     hi=365 * 86_400)
+    log_interval_seconds: float = _f(60.0, "repeated warnings (rejected frames, refused connections, skipped "
+                                           "jobs) are logged at most once per reason per interval", kind=float,
+                                     lo=0.01, hi=86_400)
+    # --- the HTTP listener's protection
+    max_http_connections: int = _f(32, "HTTP connections served at once; more are closed at once", kind=int,
+                                   lo=1, hi=10_000)
+    http_idle_seconds: float = _f(10.0, "an HTTP connection that sends nothing for this long is closed",
+                                  kind=float, lo=0.1, hi=3600)
+    tls_cert_file: str = _f("", "PEM certificate for HTTPS on `listen` (with tls_key_file; empty: plain HTTP)")
+    tls_key_file: str = _f("", "PEM private key of tls_cert_file")
+    basic_auth_user: str = _f("", "user name HTTP clients must give for /metrics and /status (empty: no "
+                                  "authentication; /healthz and /readyz stay open for probes)")
+    basic_auth_password_file: str = _f("", "file holding the basic-auth password (first line)")
     # --- what it keeps
     history_windows: int = _f(64, "windows kept per EP group (a rolling history)", kind=int, lo=2, hi=100_000)
     max_groups: int = _f(64, "EP groups tracked at once; a hello beyond it is refused", kind=int, lo=1, hi=10_000)
@@ -130,6 +164,16 @@ class AgentConfig:
             raise ConfigError("thresholds: expected a mapping of threshold names to numbers")
         if not self.socket:
             raise ConfigError("socket: must not be empty")
+        if self.tcp_listen:
+            host, port = parse_listen(self.tcp_listen, "tcp_listen")
+            object.__setattr__(self, "tcp_listen", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        if self.buffer_budget_bytes < self.max_frame_bytes:
+            raise ConfigError(f"buffer_budget_bytes: {self.buffer_budget_bytes} is below max_frame_bytes "
+                              f"{self.max_frame_bytes} (one whole frame must fit)")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file: give both tls_cert_file and tls_key_file, or neither")
+        if bool(self.basic_auth_user) != bool(self.basic_auth_password_file):
+            raise ConfigError("basic_auth_user: give both basic_auth_user and basic_auth_password_file, or neither")
         if self.actuator == "sglang" and not self.sglang_location_file:
             raise ConfigError("sglang_location_file: required when actuator is sglang")
 
@@ -140,6 +184,10 @@ class AgentConfig:
     @property
     def listen_address(self) -> tuple[str, int]:
         return parse_listen(self.listen)
+
+    @property
+    def tcp_address(self) -> tuple[str, int] | None:
+        return parse_listen(self.tcp_listen, "tcp_listen") if self.tcp_listen else None
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in agent_fields()}
@@ -164,20 +212,23 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def parse_listen(value: str) -> tuple[str, int]:
-    """'HOST:PORT' (IPv6 as [::1]:PORT) -> (host, port); raises ConfigError naming `listen`."""
+def parse_listen(value: str, name: str = "listen") -> tuple[str, int]:
+    """'HOST:PORT' (IPv6 as [::1]:PORT) -> (host, port); raises ConfigError naming the field. For
+    tcp_listen a bare PORT means loopback: another address is only ever listened on when named."""
     text = str(value).strip()
+    if name == "tcp_listen" and text.isdigit():
+        text = "127.0.0.1:" + text
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
-        raise ConfigError(f"listen: expected HOST:PORT, got {value!r}")
+        raise ConfigError(f"{name}: expected HOST:PORT, got {value!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     try:
         port = int(port_text)
     except ValueError:
-        raise ConfigError(f"listen: port {port_text!r} is not a number") from None
+        raise ConfigError(f"{name}: port {port_text!r} is not a number") from None
     if not 0 <= port <= 65535:
-        raise ConfigError(f"listen: port {port} is outside [0, 65535]")
+        raise ConfigError(f"{name}: port {port} is outside [0, 65535]")
     return host, port
 
 

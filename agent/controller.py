@@ -243,6 +243,26 @@ class Controller:
                 if flight is not None and now - flight.sent_at > self.cfg.ack_timeout_seconds:
                     self._finish_failed(group, ctl, flight, f"no Ack within {self.cfg.ack_timeout_seconds:g} s")
 
+    def abandon(self, group: GroupStore, why: str) -> None:
+        """The runtime this group's plans were for is gone (a new lineage, or the group retired): a plan
+        in flight or under verification can never finish. Close it as abandoned (audited, counted) so
+        the policy acts again for the new runtime; its cooldowns were about the old runtime's placement."""
+        ctl = self.control(group.key)
+        with self._lock:
+            for state, flight in (("in_flight", ctl.in_flight), ("verifying", ctl.verifying)):
+                if flight is None:
+                    continue
+                for kind in (["rollback"] if flight.rollback_of is not None else [d.kind for d in flight.decisions]):
+                    self._count(group, kind, "abandoned")
+                self._record(group, "plan_abandoned", epoch=flight.plan.epoch, layers=list(flight.changed_layers),
+                             state=state, reason=why)
+            ctl.in_flight = ctl.verifying = None
+            ctl.last_change.clear()
+
+    def forget(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self._control.pop(key, None)
+
     # --- verify -------------------------------------------------------------------------------------
     def on_window(self, group: GroupStore, triaged: TriagedWindow) -> None:
         """After each triaged window: verify the plan under verification on its own epoch's windows."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import signal
 import threading
 import time
@@ -26,9 +27,10 @@ from .audit import AuditLog, jsonable
 from .config import AgentConfig
 from .controller import Controller
 from .exporters import MetricsState, init_group, init_jobs, init_static, make_registry, record_window, render
-from .health import Check, Health, SystemdNotifier, WebServer, health_body
+from .health import Check, Health, HttpSecurity, SystemdNotifier, WebServer, health_body
 from .jobs import Jobs
-from .receiver import Connection, Receiver
+from .receiver import Connection, Limits, Receiver, TcpListenError
+from .throttle import Throttle
 from .store import GroupStore, Store, TriagedWindow
 
 log = logging.getLogger("moewatch.agent")
@@ -42,6 +44,39 @@ class StartupError(Exception):
 
 def _named(setting: str, value: str, exc: OSError) -> StartupError:
     return StartupError(f"{setting}: {value}: {exc.strerror or exc}")
+
+
+LABEL_MAX = 256  # model and ep_group become label values on every series
+
+
+def check_hello(hello: Hello, cfg: AgentConfig) -> tuple[str, str] | None:
+    """(reason, detail) when a hello declares sizes no runtime can have (invalid_hello) or sizes
+    beyond the configured limits (hello_over_limit); None when it may be accepted."""
+    W, L, E, P = hello.world_size, hello.num_layers, hello.num_experts, hello.num_slots
+    for name in ("model", "ep_group"):
+        value = getattr(hello, name)
+        if not value or len(value) > LABEL_MAX:
+            return "invalid_hello", f"{name} must be 1 to {LABEL_MAX} characters"
+    for name, value in (("world_size", W), ("num_layers", L), ("num_experts", E), ("num_slots", P)):
+        if value < 1:
+            return "invalid_hello", f"{name} {value} must be at least 1"
+    if P < E:
+        return "invalid_hello", f"{P} slots cannot hold {E} experts"
+    if P % W:
+        return "invalid_hello", f"{P} slots do not divide over {W} ranks"
+    rpn = hello.ranks_per_node
+    if rpn and rpn < W and W % rpn:
+        return "invalid_hello", f"{W} ranks do not split into nodes of {rpn}"
+    for name, value, limit in (("world_size", W, cfg.max_world_size), ("num_layers", L, cfg.max_num_layers),
+                               ("num_experts", E, cfg.max_num_experts), ("num_slots", P, cfg.max_num_slots)):
+        if value > limit:
+            return "hello_over_limit", f"{name} {value} is above max_{name} {limit}"
+    return None
+
+
+def http_security(cfg: AgentConfig) -> HttpSecurity:
+    return HttpSecurity.from_files(cfg.tls_cert_file, cfg.tls_key_file, cfg.basic_auth_user,
+                                   cfg.basic_auth_password_file)
 
 
 class Daemon:
@@ -58,13 +93,17 @@ class Daemon:
         self.receiver: Receiver | None = None
         self.web: WebServer | None = None
         self.jobs = Jobs(on_error=lambda job: self.metrics.inc("moewatch_job_errors_total", (job,)),
-                         on_misfire=lambda job: self.metrics.inc("moewatch_job_misfires_total", (job,)))
+                         on_misfire=lambda job: self.metrics.inc("moewatch_job_misfires_total", (job,)),
+                         log_interval=cfg.log_interval_seconds)
+        self._throttle = Throttle(cfg.log_interval_seconds)
         self.health = Health()
         self.window_listeners: list[Callable[[GroupStore, TriagedWindow], None]] = []
         self._connections: dict[tuple[str, str], Connection] = {}
         self._conn_lock = threading.Lock()
         self._stop = threading.Event()
         self._stopped = False
+        self._acks: queue.Queue = queue.Queue(maxsize=1024)
+        self._ack_thread: threading.Thread | None = None
         self.started_at: float | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -81,29 +120,48 @@ class Daemon:
             self.otel = OtelBridge(self.metrics, cfg.otlp_endpoint, cfg.otlp_interval_seconds, self._otel_readers)
         actuator = make_actuator(cfg, self.connection_of)
         self.controller = Controller(cfg, self.store, self.metrics, self.audit, actuator)
+        for reason in ("max_connections", "out_of_descriptors", "http_max_connections"):
+            self.metrics.inc("moewatch_connections_refused_total", (reason,), 0)
+        for reason in ("slow_reader", "frame_deadline", "buffer_budget"):
+            self.metrics.inc("moewatch_connections_closed_total", (reason,), 0)
+        self.metrics.inc("moewatch_groups_retired_total", (), 0)
+        limits = Limits(max_connections=cfg.max_connections, frame_deadline=cfg.frame_deadline_seconds,
+                        buffer_budget=cfg.buffer_budget_bytes, max_outbox_bytes=cfg.max_outbox_bytes,
+                        log_interval=cfg.log_interval_seconds)
         self.receiver = Receiver(cfg.socket, cfg.socket_mode_bits, cfg.max_frame_bytes,
                                  on_message=self.handle_message, on_reject=self._on_reject,
                                  on_frame=lambda t: self.metrics.inc("moewatch_frames_received_total", (t,)),
-                                 on_disconnect=self._on_disconnect)
+                                 on_disconnect=self._on_disconnect, tcp=cfg.tcp_address, limits=limits,
+                                 on_refused=self._on_refused,
+                                 on_closed=lambda r: self.metrics.inc("moewatch_connections_closed_total", (r,)))
         try:
             self.receiver.start()
         except FileExistsError as exc:
             raise StartupError(str(exc)) from None
+        except TcpListenError as exc:
+            raise _named("tcp_listen", cfg.tcp_listen, exc) from None
         except OSError as exc:
             raise _named("socket", cfg.socket, exc) from None
         host, port = cfg.listen_address
         try:
             self.web = WebServer(host, port, {"/metrics": self._metrics_route, "/healthz": self._healthz,
-                                              "/readyz": self._readyz, "/status": self._status_route})
+                                              "/readyz": self._readyz, "/status": self._status_route},
+                                 security=http_security(cfg), max_connections=cfg.max_http_connections,
+                                 idle_seconds=cfg.http_idle_seconds, log_interval=cfg.log_interval_seconds,
+                                 on_refused=lambda: self._on_refused("http_max_connections"))
         except OSError as exc:
             raise _named("listen", cfg.listen, exc) from None
+        except ValueError as exc:  # TLS or auth files that do not load
+            raise StartupError(str(exc)) from None
         self.web.start()
         self.health.liveness["scheduler"] = lambda: Check("scheduler", self.jobs.running,
                                                           "" if self.jobs.running else "scheduler stopped")
         self.health.liveness["socket"] = lambda: Check("socket", self.receiver.listening, str(cfg.socket))
         self.health.readiness["audit_log"] = lambda: Check("audit_log", self.audit.writable(), str(cfg.audit_log))
+        self._ack_thread = threading.Thread(target=self._ack_loop, name="moewatch-acks", daemon=True)
+        self._ack_thread.start()
         self.jobs.add("triage", self.triage_job, cfg.triage_interval_seconds)
-        self.jobs.add("plan", self.controller.plan_tick, cfg.plan_interval_seconds)
+        self.jobs.add("plan", self.plan_job, cfg.plan_interval_seconds)
         self.jobs.add("export", self.export_job, cfg.export_interval_seconds)
         if self.notifier.watchdog_seconds:
             self.jobs.add("watchdog", self.watchdog_job, self.notifier.watchdog_seconds / 2, first_run_in=0)
@@ -111,17 +169,21 @@ class Daemon:
         self.jobs.start()
         self.started_at = time.time()
         self.notifier.ready(f"serving {cfg.socket}, http {self.http_url}")
-        log.info("moewatch agent %s in %s mode: socket %s, http %s, audit %s", __version__, cfg.mode,
-                 cfg.socket, self.http_url, cfg.audit_log)
+        log.info("moewatch agent %s in %s mode: socket %s%s, http %s, audit %s", __version__, cfg.mode,
+                 cfg.socket, f", tcp {cfg.tcp_address[0]}:{self.receiver.tcp_port}" if cfg.tcp_listen else "",
+                 self.http_url, cfg.audit_log)
         return self
 
     @property
     def http_url(self) -> str:
         host, _ = self.cfg.listen_address
         port = self.web.port if self.web else self.cfg.listen_address[1]
-        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        scheme = "https" if self.cfg.tls_cert_file else "http"
+        return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
 
-    def stop(self) -> None:
+    def stop(self, quiet: bool = False) -> None:
+        """Stop what started. `quiet` after a failed start: nothing logged or audited, so the startup
+        error is the only line the operator sees."""
         if self._stopped:
             return
         self._stopped = True
@@ -129,18 +191,24 @@ class Daemon:
         self.notifier.stopping()
         if self.receiver is not None:
             self.receiver.stop()
+        if self._ack_thread is not None:
+            self._acks.put(None)
+            self._ack_thread.join(10)
         self.jobs.shutdown()
         if self.web is not None:
             self.web.stop()
         if self.otel is not None:
             self.otel.shutdown()
-        if self.audit is not None:
+        if self.audit is not None and quiet:
+            self.audit.close()
+        elif self.audit is not None:
             try:
                 self.audit.record("agent_stopped", windows=sum(g.windows_accepted for g in self.store.groups()))
             except (ValueError, OSError) as exc:
                 log.error("audit log: %s", exc)
             self.audit.close()
-        log.info("moewatch agent stopped")
+        if not quiet:
+            log.info("moewatch agent stopped")
 
     def run_forever(self) -> int:
         """Until SIGTERM/SIGINT; then a clean stop. Returns the exit status."""
@@ -149,12 +217,14 @@ class Daemon:
             self._stop.set()
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        started = False
         try:
             self.start()
+            started = True
             while not self._stop.wait(1.0):
                 pass
         finally:
-            self.stop()
+            self.stop(quiet=not started)
             for s, handler in previous.items():
                 signal.signal(s, handler)
         return 0
@@ -176,23 +246,51 @@ class Daemon:
                 return "mismatch"
             return group.accept_window(msg)
         if isinstance(msg, Ack):
-            return self.controller.on_ack(group, msg)
+            # Off the receiver's thread: the controller's lock can be held by a planning run, and the
+            # receiver serves every connection.
+            try:
+                self._acks.put_nowait((conn, group, msg))
+            except queue.Full:
+                return "backlog"
+            return None
         if isinstance(msg, Heartbeat):
+            # The runtime reports its process's cumulative count; the group keeps it across reconnects
+            # of the same process (GroupStore.on_hello resets it for a new one), so only growth counts.
             with group.lock:
                 group.last_heartbeat = time.time()
                 previous = group.runtime_frames_dropped
                 group.runtime_frames_dropped = msg.frames_dropped
-            if msg.frames_dropped > previous:
-                self.metrics.inc("moewatch_runtime_frames_dropped_total", group.key, msg.frames_dropped - previous)
+            grown = msg.frames_dropped - previous if msg.frames_dropped >= previous else msg.frames_dropped
+            if grown > 0:
+                self.metrics.inc("moewatch_runtime_frames_dropped_total", group.key, grown)
             return None
         if isinstance(msg, Plan):
             return "unexpected"  # plans flow agent -> runtime only
         return "unexpected"
 
+    def _ack_loop(self) -> None:
+        while True:
+            item = self._acks.get()
+            if item is None:
+                return
+            conn, group, ack = item
+            try:
+                reason = self.controller.on_ack(group, ack)
+            except Exception:
+                log.exception("ack handling failed")
+                reason = "handler_error"
+            if reason is not None:
+                self._on_reject(conn, reason, f"ack rejected: {reason}")
+
     def _on_hello(self, conn: Connection, hello: Hello) -> str | None:
         key = (hello.model, hello.ep_group)
         if conn.group is not None and conn.group != key:
             return "mismatch"
+        problem = check_hello(hello, self.cfg)
+        if problem is not None:
+            reason, detail = problem
+            self._on_reject(conn, reason, f"hello rejected: {detail}", count=False)
+            return reason
         group = self.store.get_or_create(key)
         if group is None:
             return "too_many_groups"
@@ -204,7 +302,10 @@ class Daemon:
             log.info("group %s/%s: connection %d replaces %d", *key, conn.id, old.id)
             old.close()
         conn.group, conn.hello = key, hello
-        group.on_hello(hello, conn.id)
+        if group.on_hello(hello, conn.id):
+            log.info("group %s/%s: runtime %s (pid %d) at epoch %d starts a new lineage", *key, hello.runtime,
+                     hello.pid, hello.epoch)
+            self.controller.abandon(group, f"runtime restarted (hello at epoch {hello.epoch})")
         self.metrics.set("moewatch_runtime_connected", key, 1)
         self.metrics.set("moewatch_epoch", key, hello.epoch)
         log.info("runtime %s (pid %d) connected: %s/%s, %d ranks, %d layers, %d experts in %d slots, epoch %d",
@@ -212,9 +313,19 @@ class Daemon:
                  hello.num_slots, hello.epoch)
         return None
 
-    def _on_reject(self, conn: Connection | None, reason: str, detail: str) -> None:
-        self.metrics.inc("moewatch_frames_rejected_total", (reason,))
-        log.info("connection %s: frame rejected (%s): %s", getattr(conn, "id", "-"), reason, detail)
+    def _on_reject(self, conn: Connection | None, reason: str, detail: str, count: bool = True) -> None:
+        if count:
+            self.metrics.inc("moewatch_frames_rejected_total", (reason,))
+            if reason in ("invalid_hello", "hello_over_limit"):
+                return  # logged with its detail by _on_hello
+        # Under attack every frame may be bad: one line per reason per interval, with a tally.
+        held = self._throttle(f"reject:{reason}")
+        if held is not None:
+            log.info("connection %s: frame rejected (%s): %s%s", getattr(conn, "id", "-"), reason, detail,
+                     f" ({held} more rejected for this reason since the last line)" if held else "")
+
+    def _on_refused(self, reason: str) -> None:
+        self.metrics.inc("moewatch_connections_refused_total", (reason,))
 
     def _on_disconnect(self, conn: Connection) -> None:
         if conn.group is None:
@@ -228,27 +339,71 @@ class Daemon:
             log.info("runtime of %s/%s disconnected", *conn.group)
 
     # --- jobs ---------------------------------------------------------------------------------------
+    def _per_group(self, job: str, group: GroupStore, work: Callable[[], None]) -> None:
+        """One group's share of a job: a failure is counted and logged (throttled) and the job goes on
+        with the other groups."""
+        try:
+            work()
+        except Exception as exc:
+            self.metrics.inc("moewatch_job_errors_total", (job,))
+            if self._throttle(f"job:{job}:{group.key}") is not None:
+                log.exception("job %s failed for group %s/%s: %r", job, *group.key, exc)
+
+    def plan_job(self) -> None:
+        for group in self.store.groups():
+            self._per_group("plan", group, lambda g=group: self.controller.plan_group(g))
+
     def triage_job(self) -> None:
         """Triage every window that arrived since the last run, in order."""
         for group in self.store.groups():
-            for window in group.take_untriaged():
-                diagnosis = diagnose(window, self.cfg.thresholds)
-                record_window(self.metrics, group.export, window, diagnosis, self.cfg.expert_metrics)
-                triaged = TriagedWindow(window, diagnosis, time.time())
-                group.add_triaged(triaged)
-                self.controller.on_window(group, triaged)
-                for listener in self.window_listeners:
-                    try:
-                        listener(group, triaged)
-                    except Exception:
-                        log.exception("window listener failed")
+            self._per_group("triage", group, lambda g=group: self._triage_group(g))
+
+    def _triage_group(self, group: GroupStore) -> None:
+        for window in group.take_untriaged():
+            diagnosis = diagnose(window, self.cfg.thresholds)
+            record_window(self.metrics, group.export, window, diagnosis, self.cfg.expert_metrics)
+            triaged = TriagedWindow(window, diagnosis, time.time())
+            if not group.add_triaged(triaged):
+                continue  # the old lineage's: exported, never counted for the new runtime
+            self.controller.on_window(group, triaged)
+            for listener in self.window_listeners:
+                try:
+                    listener(group, triaged)
+                except Exception:
+                    log.exception("window listener failed")
 
     def export_job(self) -> None:
+        self.retire_groups()
         for group in self.store.groups():
             self.metrics.set("moewatch_runtime_connected", group.key, 1 if group.connected else 0)
         self.controller.check_timeouts()
         if self.audit is not None:
             self.audit.sync()
+
+    def retire_groups(self, now: float | None = None) -> list[tuple[str, str]]:
+        """Forget groups whose runtime left and sent nothing for group_retire_seconds: their store,
+        control state and series go, so they neither fill max_groups nor linger on /metrics."""
+        now = time.time() if now is None else now
+        retired = []
+        for group in self.store.groups():
+            with group.lock:
+                if group.connected or group.left_at is None:
+                    continue
+                last = max(t for t in (group.left_at, group.last_window_received, group.last_heartbeat)
+                           if t is not None)
+                if now - last < self.cfg.group_retire_seconds:
+                    continue
+            self.controller.abandon(group, "group retired: its runtime left")
+            self.store.remove(group.key)
+            self.controller.forget(group.key)
+            self.metrics.forget(group.key)
+            self.metrics.inc("moewatch_groups_retired_total", ())
+            if self.audit is not None:
+                self.audit.record("group_retired", model=group.key[0], ep_group=group.key[1],
+                                  idle_seconds=round(now - last, 3), windows=group.windows_accepted)
+            log.info("group %s/%s retired: no runtime for %.0f s", *group.key, now - last)
+            retired.append(group.key)
+        return retired
 
     def watchdog_job(self) -> None:
         ok, checks = self.health.live()

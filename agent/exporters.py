@@ -106,6 +106,18 @@ class MetricsState:
         with self._lock:
             self.values[name].pop(tuple(map(str, labels)), None)
 
+    def forget(self, prefix: Labels) -> int:
+        """Drop every series whose labels start with `prefix` (a retired group's); returns how many."""
+        prefix = tuple(map(str, prefix))
+        n = len(prefix)
+        dropped = 0
+        with self._lock:
+            for table in (*self.values.values(), *self.histograms.values()):
+                for key in [k for k in table if k[:n] == prefix]:
+                    del table[key]
+                    dropped += 1
+        return dropped
+
     def get(self, name: str, labels: Labels, default: float | None = None) -> float | None:
         with self._lock:
             return self.values[name].get(tuple(map(str, labels)), default)

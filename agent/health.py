@@ -6,18 +6,26 @@
   being connected: in Kubernetes a native sidecar's failing readiness takes the whole pod out of
   its Service, so an idle or restarting inference server must not make the agent unready
   (REFERENCE.md).
+- HTTP: optionally HTTPS (tls_cert_file, tls_key_file) and basic authentication (basic_auth_user,
+  basic_auth_password_file) for /metrics and /status; /healthz and /readyz stay open for probes.
 - systemd: with NOTIFY_SOCKET set, `READY=1` once serving, `WATCHDOG=1` every half WatchdogSec while
   /healthz passes, `STOPPING=1` on shutdown. Without NOTIFY_SOCKET these are no-ops.
 """
 
 from __future__ import annotations
 
+import base64
+import errno
+import hmac
 import json
 import logging
 import os
 import socket
+import ssl
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
@@ -114,19 +122,80 @@ class SystemdNotifier:
 
 Route = Callable[[], tuple[int, str, bytes]]
 
+# Probes stay open: a kubelet or systemd check has no credentials, and they reveal only check names.
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+@dataclass(frozen=True)
+class HttpSecurity:
+    """TLS (an ssl.SSLContext) and basic authentication (the expected Authorization header value)."""
+
+    tls: ssl.SSLContext | None = None
+    authorization: bytes | None = None
+
+    @classmethod
+    def from_files(cls, cert_file: str = "", key_file: str = "", user: str = "", password_file: str = "") \
+            -> "HttpSecurity":
+        """Load once at start; ValueError names the setting whose file does not load."""
+        tls = None
+        if cert_file:
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            tls.minimum_version = ssl.TLSVersion.TLSv1_2
+            try:
+                tls.load_cert_chain(cert_file, key_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"tls_cert_file: {cert_file} with tls_key_file {key_file}: "
+                                 f"{getattr(exc, 'strerror', None) or exc}") from None
+        authorization = None
+        if user:
+            try:
+                lines = Path(password_file).read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"basic_auth_password_file: {password_file}: "
+                                 f"{getattr(exc, 'strerror', None) or exc}") from None
+            if not lines or not lines[0]:
+                raise ValueError(f"basic_auth_password_file: {password_file}: empty")
+            token = base64.b64encode(f"{user}:{lines[0]}".encode()).decode()
+            authorization = f"Basic {token}".encode()
+        return cls(tls, authorization)
+
 
 class WebServer:
-    """A threaded HTTP server for a fixed set of GET routes (path -> handler)."""
+    """A threaded HTTP server for a fixed set of GET routes (path -> handler).
 
-    def __init__(self, host: str, port: int, routes: dict[str, Route]):
+    Threads, bounded: at most `max_connections` are served at once (the rest are closed at once and
+    counted), and a connection silent for `idle_seconds` is closed, so idle peers cannot pile up
+    threads. Scrapes are a few per minute; a selector-based HTTP parser is not worth its code here.
+    TLS handshakes run on the connection's thread, never on the accepting one."""
+
+    def __init__(self, host: str, port: int, routes: dict[str, Route], *, security: HttpSecurity | None = None,
+                 max_connections: int = 32, idle_seconds: float = 10.0,
+                 on_refused: Callable[[], None] | None = None, log_interval: float = 60.0):
         routes = dict(routes)
+        security = security or HttpSecurity()
+        slots = threading.BoundedSemaphore(max_connections)
+        refused = on_refused or (lambda: None)
+        from .throttle import Throttle
+
+        throttle = Throttle(log_interval)
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "moewatch-agent"
+            timeout = idle_seconds
 
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
                 path = self.path.split("?", 1)[0]
                 route = routes.get(path)
+                if security.authorization is not None and path not in OPEN_PATHS and not hmac.compare_digest(
+                        (self.headers.get("Authorization") or "").encode(), security.authorization):
+                    body = b"authentication required\n"
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Basic realm="moewatch", charset="UTF-8"')
+                    self.send_header("Content-Type", "text/plain; charset=utf-8")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 if route is None:
                     status, ctype, body = 404, "text/plain; charset=utf-8", b"not found\n"
                 else:
@@ -149,6 +218,46 @@ class WebServer:
         class Server(ThreadingHTTPServer):
             address_family = family
             daemon_threads = True
+            block_on_close = False
+
+            def get_request(self):
+                try:
+                    return super().get_request()
+                except OSError as exc:
+                    if exc.errno in (errno.EMFILE, errno.ENFILE):
+                        # Out of descriptors: say so (throttled) and back off instead of spinning.
+                        if throttle("emfile") is not None:
+                            log.error("http: out of file descriptors: %s", exc.strerror)
+                        time.sleep(0.1)
+                    raise
+
+            def process_request(self, request, client_address):
+                if not slots.acquire(blocking=False):
+                    refused()
+                    if throttle("refused") is not None:
+                        log.warning("http: %d connections open: refusing more (max_http_connections)",
+                                    max_connections)
+                    self.shutdown_request(request)
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    slots.release()
+                    raise
+
+            def process_request_thread(self, request, client_address):
+                try:
+                    if security.tls is not None:
+                        request.settimeout(idle_seconds)
+                        try:
+                            request = security.tls.wrap_socket(request, server_side=True)
+                        except (OSError, ssl.SSLError) as exc:
+                            log.debug("http: TLS handshake with %s failed: %s", client_address, exc)
+                            self.shutdown_request(request)
+                            return
+                    super().process_request_thread(request, client_address)
+                finally:
+                    slots.release()
 
         self.server = Server((host, port), Handler)
         self._thread: threading.Thread | None = None

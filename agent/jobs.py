@@ -3,7 +3,9 @@
 Every job is an interval job with coalesce (a backlog of missed runs becomes one run) and
 max_instances=1 (a slow run is never overlapped by the next). A job that raises, or a run that is
 missed or skipped because the previous one still runs, is counted (moewatch_job_errors_total,
-moewatch_job_misfires_total) and logged; the scheduler keeps going, so a failing job is never fatal.
+moewatch_job_misfires_total) and logged once per job per interval (APScheduler's own warning
+about the same skipped run is filtered out); the scheduler keeps going, so a failing job is never
+fatal.
 """
 
 from __future__ import annotations
@@ -19,8 +21,27 @@ from apscheduler.triggers.interval import IntervalTrigger
 log = logging.getLogger("moewatch.agent.jobs")
 
 
+class _SkippedRunFilter(logging.Filter):
+    """Drops APScheduler's warnings for missed or overlapping runs: Jobs logs each (throttled)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not ("maximum number of running instances" in text or "was missed by" in text)
+
+
+_FILTER = _SkippedRunFilter()
+
+
 class Jobs:
-    def __init__(self, on_error: Callable[[str], None], on_misfire: Callable[[str], None]):
+    def __init__(self, on_error: Callable[[str], None], on_misfire: Callable[[str], None],
+                 log_interval: float = 60.0):
+        from .throttle import Throttle
+
+        self._throttle = Throttle(log_interval)
+        for name in ("apscheduler.scheduler", "apscheduler.executors.default"):
+            logger = logging.getLogger(name)
+            if _FILTER not in logger.filters:
+                logger.addFilter(_FILTER)
         self.scheduler = BackgroundScheduler(timezone=timezone.utc, job_defaults={
             "coalesce": True, "max_instances": 1, "misfire_grace_time": None})
         self._on_error = on_error
@@ -32,8 +53,11 @@ class Jobs:
             log.error("job %s raised %r", event.job_id, getattr(event, "exception", None))
             self._on_error(event.job_id)
         else:
-            log.warning("job %s missed a run", event.job_id)
             self._on_misfire(event.job_id)
+            held = self._throttle(f"misfire:{event.job_id}")
+            if held is not None:
+                log.warning("job %s skipped a run: the previous one still runs or the process was busy%s",
+                            event.job_id, f" ({held} more since the last line)" if held else "")
 
     def add(self, job_id: str, func: Callable[[], None], interval_seconds: float, jitter: float | None = None,
             first_run_in: float | None = None) -> None:

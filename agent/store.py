@@ -45,6 +45,8 @@ class GroupStore:
     max_epoch_seen: int = 0
     windows_accepted: int = 0
     runtime_frames_dropped: int = 0  # the runtime's own cumulative count, as last reported
+    lineage: int = 0  # bumped when a different runtime process takes the group over (a restart)
+    left_at: float | None = None  # when the last runtime disconnected (for retirement)
     last_heartbeat: float | None = None
     last_window_received: float | None = None
     export: GroupExportMemory = field(default_factory=GroupExportMemory)
@@ -54,10 +56,30 @@ class GroupStore:
         self.history = deque(maxlen=self.history_windows)
         # Bounded too: while the triage job is this far behind, new windows are refused ("backlog").
         self.untriaged = deque()
+        self._old_lineage: set[int] = set()  # ids of untriaged windows sent by a previous lineage
 
     # --- connection lifecycle -----------------------------------------------------------------
-    def on_hello(self, hello: Hello, connection_id: int) -> None:
+    def is_new_lineage(self, hello: Hello) -> bool:
+        """A hello from another runtime process than the last one: a lower epoch than the one in
+        force (a restarted runtime counts from 0 again), or another runtime name or pid."""
         with self.lock:
+            old = self.hello
+            if old is None:
+                return False
+            return (hello.epoch < self.epoch_in_force or hello.runtime != old.runtime
+                    or (hello.pid != old.pid and bool(hello.pid) and bool(old.pid)))
+
+    def on_hello(self, hello: Hello, connection_id: int) -> bool:
+        """Returns True when the hello starts a new lineage: the windows kept so far (and those still
+        waiting for triage) are the old runtime's and never count for the new one."""
+        with self.lock:
+            new_lineage = self.is_new_lineage(hello)
+            if new_lineage:
+                self.lineage += 1
+                self.history.clear()
+                self._old_lineage.update(id(w) for w in self.untriaged)
+                # The count is per runtime process: a reconnect of the same one continues it.
+                self.runtime_frames_dropped = 0
             self.hello = hello
             self.connection_id = connection_id
             self.connected = True
@@ -66,7 +88,8 @@ class GroupStore:
             self.epoch_in_force = hello.epoch
             self.max_epoch_seen = max(self.max_epoch_seen, hello.epoch)
             self.last_end_time = float("-inf")
-            self.runtime_frames_dropped = 0
+            self.left_at = None
+            return new_lineage
 
     def on_disconnect(self, connection_id: int) -> bool:
         """Mark the group disconnected if this connection is still its current one."""
@@ -74,6 +97,7 @@ class GroupStore:
             if self.connection_id != connection_id:
                 return False
             self.connected = False
+            self.left_at = time.time()
             return True
 
     # --- windows ------------------------------------------------------------------------------
@@ -113,9 +137,14 @@ class GroupStore:
             self.untriaged.clear()
             return out
 
-    def add_triaged(self, item: TriagedWindow) -> None:
+    def add_triaged(self, item: TriagedWindow) -> bool:
+        """Keep a triaged window; False (not kept) when it belongs to a lineage that has ended."""
         with self.lock:
+            if id(item.window) in self._old_lineage:
+                self._old_lineage.discard(id(item.window))
+                return False
             self.history.append(item)
+            return True
 
     def recent(self, epoch: int | None = None) -> list[TriagedWindow]:
         """History oldest first, optionally only the windows of one epoch."""
@@ -179,6 +208,10 @@ class Store:
                     return None
                 group = self._groups[key] = GroupStore(key, self.history_windows)
             return group
+
+    def remove(self, key: GroupKey) -> GroupStore | None:
+        with self._lock:
+            return self._groups.pop(key, None)
 
     def get(self, key: GroupKey) -> GroupStore | None:
         with self._lock:

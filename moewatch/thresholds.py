@@ -116,12 +116,42 @@ class Thresholds:
                 for f in dataclasses.fields(cls)]
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int):
+        self.key, self.line = key, line
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a mapping naming the same key twice (YAML says keys are unique; the
+    plain loader silently keeps the last, so a typo'd override would go unnoticed)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if duplicate:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml_mapping(path: str | Path, expected: str) -> dict[str, Any]:
-    """A YAML file's top-level mapping ({} for an empty file); ConfigError names the file otherwise."""
+    """A YAML file's top-level mapping ({} for an empty file); ConfigError names the file otherwise
+    (unreadable, a folder, not UTF-8, not YAML, a key given twice)."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_StrictLoader)  # noqa: S506 (safe)
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder, not a file") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: line {exc.line}: key {exc.key!r} is given twice") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
     if data is None:

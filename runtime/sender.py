@@ -11,6 +11,7 @@ frame of that queue is dropped and counted, so a slow or absent agent costs the 
 from __future__ import annotations
 
 import collections
+import random
 import select
 import socket
 import threading
@@ -139,7 +140,9 @@ class Sender:
                 if self._connect():
                     backoff = self.backoff_initial
                 else:
-                    next_attempt = now + backoff
+                    # Jittered: the runtimes of a node that lost their agent together do not all
+                    # reconnect in the same instant when it comes back.
+                    next_attempt = now + backoff * random.uniform(0.75, 1.25)
                     backoff = min(backoff * 2, self.backoff_max)
                 continue
             self._read_incoming()

@@ -32,6 +32,12 @@ def verify_unit(text: str, folder: Path) -> subprocess.CompletedProcess:
     return subprocess.run([SYSTEMD_ANALYZE, "verify", str(path)], capture_output=True, text=True, timeout=60)
 
 
+def test_systemd_unit_raises_the_descriptor_limit():
+    unit = (DEPLOY / "moewatch-agent.service").read_text()
+    limits = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("LimitNOFILE=")]
+    assert limits and int(limits[0]) >= 65536
+
+
 def test_systemd_unit_verifies_with_nothing_on_stderr(tmp_path):
     text = UNIT.read_text()
     assert text.count(INSTALLED_BINARY) == 1
@@ -76,6 +82,15 @@ def test_kubernetes_example_validates_and_wires_a_native_sidecar(tmp_path):
     for container in (sidecar, inference):
         assert any(m["name"] == socket_volume and m["mountPath"] == "/run/moewatch" for m in container["volumeMounts"])
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9477"
+    # HTTPS with basic auth: the files the config names are mounted from Secrets; probes speak HTTPS.
+    cfg = build_config(flags=None, environ={}, config_path=str(tmp_path / "agent.yaml"))
+    assert cfg.tls_cert_file and cfg.basic_auth_user and pod["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+    mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    secrets = {v["name"] for v in pod["spec"]["volumes"] if "secret" in v}
+    for path in (cfg.tls_cert_file, cfg.tls_key_file, cfg.basic_auth_password_file):
+        assert any(path.startswith(mounts[name] + "/") for name in secrets), path
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert sidecar[probe]["httpGet"]["scheme"] == "HTTPS"
     # The check can fail: a field Kubernetes does not know is refused in strict mode.
     broken = manifest.read_text().replace("restartPolicy: Always", "restartPolicy: Always\n          restartPolicyy: Always")
     bad = subprocess.run([KUBERNETES_VALIDATE, "--strict", "-k", "1.29", _write(tmp_path / "bad.yaml", broken)],
