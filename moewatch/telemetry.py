@@ -10,6 +10,7 @@ Sizes used in docstrings: L layers, E logical experts, P physical slots, W ranks
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import struct
@@ -445,6 +446,26 @@ def decode_binary(blob: bytes) -> Window:
 # Each returns one value per layer: an array of shape [L] unless said otherwise, or None when the
 # window lacks the evidence (`Window.missing_evidence` says which). Nothing is estimated in its place.
 
+def _once(fn):
+    """Compute a derived quantity once per window and share it (triage, exporters and policy all ask
+    for rank load, balancedness, ...): cached on the window, read-only. Windows are immutable, and
+    `Window.replace` makes a new one, so a cached value never goes stale."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def once(w: Window, *args: Any) -> Any:
+        cache = w.__dict__.setdefault("_derived", {})
+        key = (name, args)
+        if key not in cache:
+            value = fn(w, *args)
+            if isinstance(value, np.ndarray):
+                value.setflags(write=False)
+            cache[key] = value
+        return cache[key]
+
+    return once
+
+
 def _ratio(num: np.ndarray, den: np.ndarray, empty: float = 0.0) -> np.ndarray:
     num = np.asarray(num, dtype=np.float64)
     den = np.asarray(den, dtype=np.float64)
@@ -453,6 +474,7 @@ def _ratio(num: np.ndarray, den: np.ndarray, empty: float = 0.0) -> np.ndarray:
     return out
 
 
+@_once
 def a2a_seconds(w: Window) -> np.ndarray | None:
     """[L, W] dispatch + combine seconds per rank, summed over the window's steps."""
     if not w.has("dispatch_seconds", "combine_seconds"):
@@ -460,6 +482,7 @@ def a2a_seconds(w: Window) -> np.ndarray | None:
     return w.dispatch_seconds + w.combine_seconds
 
 
+@_once
 def a2a_share(w: Window) -> np.ndarray | None:
     """[L] (dispatch + combine) / layer time, both summed over ranks."""
     a2a = a2a_seconds(w)
@@ -468,6 +491,7 @@ def a2a_share(w: Window) -> np.ndarray | None:
     return _ratio(a2a.sum(axis=1), w.layer_seconds.sum(axis=1))
 
 
+@_once
 def rank_load(w: Window) -> np.ndarray | None:
     """[L, W] pairs each rank computed: the sum over its slots, which the contract makes equal to
     local + received (either is measured evidence). None for a window of logical counts only: the
@@ -479,6 +503,7 @@ def rank_load(w: Window) -> np.ndarray | None:
     return None
 
 
+@_once
 def rank_load_max_min(w: Window) -> np.ndarray | None:
     """[L] max/min of rank load; inf where a rank computed nothing while another did."""
     load = rank_load(w)
@@ -491,30 +516,35 @@ def rank_load_max_min(w: Window) -> np.ndarray | None:
     return out
 
 
+@_once
 def rank_load_max_mean(w: Window) -> np.ndarray | None:
     """[L] max/mean of rank load (1.0 is perfect balance; an idle layer reads 1.0)."""
     load = rank_load(w)
     return None if load is None else _ratio(load.max(axis=1), load.mean(axis=1), empty=1.0)
 
 
+@_once
 def rank_load_cv(w: Window) -> np.ndarray | None:
     """[L] std/mean of rank load (the seeds' expert-load-per-card dispersion)."""
     load = rank_load(w)
     return None if load is None else _ratio(load.std(axis=1), load.mean(axis=1))
 
 
+@_once
 def balancedness(w: Window) -> np.ndarray | None:
     """[L] mean/max of rank load, in (0, 1]; 1.0 for an idle layer (vLLM and SGLang convention)."""
     load = rank_load(w)
     return None if load is None else _ratio(load.mean(axis=1), load.max(axis=1), empty=1.0)
 
 
+@_once
 def expert_load_cv(w: Window) -> np.ndarray:
     """[L] std/mean of pairs routed to each logical expert (before capacity). Always measured."""
     load = w.expert_tokens
     return _ratio(load.std(axis=1), load.mean(axis=1))
 
 
+@_once
 def hot_experts(w: Window, multiple: float) -> list[list[int]]:
     """Per layer, experts routed more than `multiple` x the mean expert load, hottest first."""
     out = []
@@ -525,6 +555,7 @@ def hot_experts(w: Window, multiple: float) -> list[list[int]]:
     return out
 
 
+@_once
 def cross_rank_ratio(w: Window) -> np.ndarray | None:
     """[L] share of computed pairs whose slot was on another rank: sent / (local + sent)."""
     if not w.has("local_tokens", "sent_tokens"):
@@ -533,12 +564,14 @@ def cross_rank_ratio(w: Window) -> np.ndarray | None:
     return _ratio(sent, w.local_tokens.sum(axis=1) + sent)
 
 
+@_once
 def kept_tokens(w: Window) -> np.ndarray:
     """[L, E] pairs each expert kept after capacity: routed minus dropped, or routed where the
     window cannot see capacity (the measured count, not an estimate of the drops)."""
     return w.expert_tokens if w.dropped_tokens is None else w.expert_tokens - w.dropped_tokens
 
 
+@_once
 def expected_cross_rank_ratio(w: Window) -> np.ndarray:
     """[L] cross-rank ratio the placement predicts for this window's expert load.
 
@@ -559,6 +592,7 @@ def expected_cross_rank_ratio(w: Window) -> np.ndarray:
     return np.where(total > 0, 1.0 - expected_local, 1.0 - 1.0 / W)
 
 
+@_once
 def overflow_rate(w: Window) -> np.ndarray | None:
     """[L] (dropped + rerouted) / routed pairs."""
     if not w.has("dropped_tokens", "rerouted_tokens"):
@@ -566,6 +600,7 @@ def overflow_rate(w: Window) -> np.ndarray | None:
     return _ratio((w.dropped_tokens + w.rerouted_tokens).sum(axis=1), w.expert_tokens.sum(axis=1))
 
 
+@_once
 def effective_capacity_factor(w: Window) -> np.ndarray | None:
     """[L] computed pairs over the capacity granted, C x k x tokens; NaN where dropless (C = 0).
 
@@ -587,6 +622,7 @@ def effective_capacity_factor(w: Window) -> np.ndarray | None:
     return out
 
 
+@_once
 def a2a_lower_bound_seconds(w: Window, link_bandwidth_bytes_per_s: float) -> np.ndarray | None:
     """[L] Aurora's bound on dispatch + combine time for the window.
 
@@ -602,6 +638,7 @@ def a2a_lower_bound_seconds(w: Window, link_bandwidth_bytes_per_s: float) -> np.
     return 2.0 * busiest * w.hidden_bytes / link_bandwidth_bytes_per_s
 
 
+@_once
 def a2a_measured_seconds(w: Window) -> np.ndarray | None:
     """[L] all-to-all time of the group: the slowest rank's dispatch + combine (a collective ends
     when its last rank does)."""
@@ -609,6 +646,7 @@ def a2a_measured_seconds(w: Window) -> np.ndarray | None:
     return None if a2a is None else a2a.max(axis=1)
 
 
+@_once
 def a2a_efficiency(w: Window, link_bandwidth_bytes_per_s: float) -> np.ndarray | None:
     """[L] Aurora bound over measured all-to-all time, in [0, 1] (1 = at the bound); the inverse
     of measured-over-bound. NaN where nothing was measured."""
@@ -621,6 +659,7 @@ def a2a_efficiency(w: Window, link_bandwidth_bytes_per_s: float) -> np.ndarray |
     return np.minimum(out, 1.0, where=~np.isnan(out), out=out)
 
 
+@_once
 def mean_message_bytes(w: Window) -> np.ndarray | None:
     """[L] mean bytes per rank-to-rank message per step and direction (the small-message signal:
     seed 002 puts fixed per-message cost in charge below 32 KB)."""
@@ -630,6 +669,7 @@ def mean_message_bytes(w: Window) -> np.ndarray | None:
     return _ratio(w.sent_tokens.sum(axis=1) * float(w.hidden_bytes), np.full(w.num_layers, messages))
 
 
+@_once
 def compute_max_mean(w: Window) -> np.ndarray | None:
     """[L] slowest rank's expert compute time over the mean (a hardware straggler at even load)."""
     if w.compute_seconds is None:
@@ -637,6 +677,7 @@ def compute_max_mean(w: Window) -> np.ndarray | None:
     return _ratio(w.compute_seconds.max(axis=1), w.compute_seconds.mean(axis=1), empty=1.0)
 
 
+@_once
 def per_step_max(w: Window, name: str) -> np.ndarray | None:
     """[L] the slowest rank's value of an [L, W] time field per step, or None when it is absent."""
     value = getattr(w, name)
