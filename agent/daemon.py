@@ -53,7 +53,7 @@ class Daemon:
         self._otel_readers = list(otel_readers)
         self.otel = None
         self.audit: AuditLog | None = None
-        self.store = Store(cfg.history_windows, cfg.max_groups)
+        self.store = Store(cfg.history_windows, cfg.max_groups, cfg.history_bytes)
         self.controller: Controller | None = None
         self.receiver: Receiver | None = None
         self.web: WebServer | None = None

@@ -35,6 +35,8 @@ class TriagedWindow:
 class GroupStore:
     key: GroupKey
     history_windows: int
+    # Memory bound: the window arrays of the history, and of the backlog, each stay under this.
+    history_bytes: int = 96 * 1024 * 1024
     hello: Hello | None = None
     connection_id: int | None = None
     connected: bool = False
@@ -47,11 +49,14 @@ class GroupStore:
     runtime_frames_dropped: int = 0  # the runtime's own cumulative count, as last reported
     last_heartbeat: float | None = None
     last_window_received: float | None = None
+    history_nbytes: int = 0
+    untriaged_nbytes: int = 0
     export: GroupExportMemory = field(default_factory=GroupExportMemory)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def __post_init__(self) -> None:
-        self.history = deque(maxlen=self.history_windows)
+        # Bounded by count and by bytes (add_triaged drops the oldest).
+        self.history = deque()
         # Bounded too: while the triage job is this far behind, new windows are refused ("backlog").
         self.untriaged = deque()
 
@@ -97,12 +102,14 @@ class GroupStore:
             reason = self.check_window(w)
             if reason is not None:
                 return reason
-            if len(self.untriaged) >= self.history_windows:
+            if len(self.untriaged) >= self.history_windows or (
+                    self.untriaged and self.untriaged_nbytes + w.nbytes > self.history_bytes):
                 return "backlog"
             self.last_end_time = w.end_time
             self.epoch_in_force = w.epoch
             self.max_epoch_seen = max(self.max_epoch_seen, w.epoch)
             self.untriaged.append(w)
+            self.untriaged_nbytes += w.nbytes
             self.windows_accepted += 1
             self.last_window_received = time.time() if now is None else now
             return None
@@ -111,11 +118,18 @@ class GroupStore:
         with self.lock:
             out = list(self.untriaged)
             self.untriaged.clear()
+            self.untriaged_nbytes = 0
             return out
 
     def add_triaged(self, item: TriagedWindow) -> None:
+        """Append to the history, then drop the oldest windows past history_windows or history_bytes
+        (the newest always stays)."""
         with self.lock:
             self.history.append(item)
+            self.history_nbytes += item.window.nbytes
+            while len(self.history) > 1 and (len(self.history) > self.history_windows
+                                             or self.history_nbytes > self.history_bytes):
+                self.history_nbytes -= self.history.popleft().window.nbytes
 
     def recent(self, epoch: int | None = None) -> list[TriagedWindow]:
         """History oldest first, optionally only the windows of one epoch."""
@@ -148,6 +162,7 @@ class GroupStore:
                                                      "num_experts": hello.num_experts, "num_slots": hello.num_slots},
                 "epoch_in_force": self.epoch_in_force, "max_epoch_seen": self.max_epoch_seen,
                 "windows_accepted": self.windows_accepted, "history": len(self.history),
+                "history_bytes": self.history_nbytes,
                 "last_window_end": None if latest is None else latest.window.end_time,
                 "layers": [] if latest is None else [
                     {"layer": d.layer, "verdict": d.verdict, "cause": d.cause, "overflow": d.overflow,
@@ -164,8 +179,9 @@ class GroupStore:
 class Store:
     """Every group the agent has heard from, bounded by max_groups."""
 
-    def __init__(self, history_windows: int, max_groups: int):
+    def __init__(self, history_windows: int, max_groups: int, history_bytes: int = 96 * 1024 * 1024):
         self.history_windows = history_windows
+        self.history_bytes = history_bytes
         self.max_groups = max_groups
         self._groups: dict[GroupKey, GroupStore] = {}
         self._lock = threading.Lock()
@@ -177,7 +193,7 @@ class Store:
             if group is None:
                 if len(self._groups) >= self.max_groups:
                     return None
-                group = self._groups[key] = GroupStore(key, self.history_windows)
+                group = self._groups[key] = GroupStore(key, self.history_windows, self.history_bytes)
             return group
 
     def get(self, key: GroupKey) -> GroupStore | None:

@@ -150,6 +150,11 @@ class Window:
         """Evidence kinds (EVIDENCE) this window cannot support, in EVIDENCE order."""
         return [kind for kind, options in EVIDENCE.items() if not any(self.has(*opt) for opt in options)]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the window's arrays hold (what a history of windows costs in memory)."""
+        return sum(getattr(self, name).nbytes for name in ARRAY_FIELDS if getattr(self, name) is not None)
+
     # --- sizes -----------------------------------------------------------------------------------
     @property
     def slots_per_rank(self) -> int:
