@@ -9,6 +9,7 @@ catalogue is a programming error and raises, so nothing outside the contract can
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -60,12 +61,14 @@ class HistogramValue:
         self.count += int(values.size)
 
     def cumulative(self) -> list[tuple[str, float]]:
-        cum = np.cumsum(self.counts)
-        return [(_bound_text(b), float(c)) for b, c in zip(self.bounds, cum[:-1])] + [("+Inf", float(cum[-1]))]
+        cum = np.cumsum(self.counts).astype(np.float64).tolist()
+        return list(zip(_bound_texts(self.bounds), cum))
 
 
-def _bound_text(bound: float) -> str:
-    return repr(float(bound))
+@functools.lru_cache(maxsize=None)
+def _bound_texts(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The `le` label values of a histogram's buckets, +Inf last."""
+    return (*(repr(float(b)) for b in bounds), "+Inf")
 
 
 def _chunk_of(spec) -> Callable[[Labels], tuple[str, ...]]:
@@ -124,29 +127,34 @@ class MetricsState:
 
     def set_many(self, name: str, items: Iterable[tuple[Labels, float]]) -> None:
         """Many series of one family at once (labels already strings): one lock, one check."""
-        spec = BY_NAME[name]
-        chunk_of = _CHUNK[name]
-        with self._lock:
-            for key, value in items:
-                if len(key) != len(spec.labels):
-                    raise ValueError(f"{name}: expected labels {spec.labels}, got {key}")
-                series = self._series(name, key)
-                value = float(value)
-                if series.get(key) != value:
-                    series[key] = value
-                    self._bump(name, chunk_of(key))
+        self._write_many(name, items, add=False)
 
     def inc_many(self, name: str, items: Iterable[tuple[Labels, float]]) -> None:
         """Many counters of one family at once (labels already strings)."""
-        spec = BY_NAME[name]
-        chunk_of = _CHUNK[name]
+        self._write_many(name, items, add=True)
+
+    def _write_many(self, name: str, items: Iterable[tuple[Labels, float]], add: bool) -> None:
+        width = len(BY_NAME[name].labels)
+        chunk_of, table = _CHUNK[name], self._values[name]
+        chunk, series, changed = None, None, False
         with self._lock:
-            for key, amount in items:
-                if len(key) != len(spec.labels) or amount < 0:
-                    raise ValueError(f"{name}: bad increment {amount} for {key}")
-                series = self._series(name, key)
-                series[key] = series.get(key, 0.0) + float(amount)
-                self._bump(name, chunk_of(key))
+            for key, value in items:
+                if len(key) != width or (add and value < 0):
+                    raise ValueError(f"{name}: bad {'increment' if add else 'value'} {value} for {key}")
+                if chunk is None or chunk != chunk_of(key):
+                    if changed:
+                        self._bump(name, chunk)
+                    chunk, changed = chunk_of(key), False
+                    series = table.setdefault(chunk, {})
+                value = float(value)
+                if add:
+                    series[key] = series.get(key, 0.0) + value
+                    changed = True
+                elif series.get(key) != value:
+                    series[key] = value
+                    changed = True
+            if changed:
+                self._bump(name, chunk)
 
     def remove_many(self, name: str, keys: Iterable[Labels]) -> None:
         chunk_of = _CHUNK[name]
@@ -405,6 +413,7 @@ class Exposition:
         self._chunks: dict[tuple[str, Chunk], tuple[int, bytes]] = {}
         self._headers = {spec.name: self._header(spec) for spec in METRICS}
         self._labels: dict[tuple[str, Labels], str] = {}
+        self._buckets: dict[tuple[str, Labels], list[str]] = {}
 
     @staticmethod
     def _header(spec) -> bytes:
@@ -420,16 +429,24 @@ class Exposition:
             text = "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}" if pairs else ""
             if len(self._labels) > 200_000:  # series come and go (retired groups): never grow unbounded
                 self._labels.clear()
+                self._buckets.clear()
             self._labels[cache_key] = text
         return text
+
+    def _bucket_labels(self, spec, key: Labels, buckets: list[tuple[str, float]]) -> list[str]:
+        cache_key = (spec.name + "_bucket", key)
+        texts = self._buckets.get(cache_key)
+        if texts is None:
+            texts = self._buckets[cache_key] = [self._label_text(spec, key, (("le", le),)) for le, _ in buckets]
+        return texts
 
     def _render_chunk(self, spec, chunk: Chunk) -> bytes:
         lines = []
         name = spec.name
         if spec.kind == "histogram":
             for key, (buckets, total) in self.state.chunk_series(name, chunk):
-                for le, count in buckets:
-                    lines.append(f"{name}_bucket{self._label_text(spec, key, (('le', le),))} {floatToGoString(count)}\n")
+                for le_labels, (_, count) in zip(self._bucket_labels(spec, key, buckets), buckets):
+                    lines.append(f"{name}_bucket{le_labels} {floatToGoString(count)}\n")
                 labels = self._label_text(spec, key)
                 lines.append(f"{name}_count{labels} {floatToGoString(buckets[-1][1])}\n")
                 lines.append(f"{name}_sum{labels} {floatToGoString(total)}\n")
