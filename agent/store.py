@@ -35,7 +35,8 @@ class TriagedWindow:
 class GroupStore:
     key: GroupKey
     history_windows: int
-    # Memory bound: the window arrays of the history, and of the backlog, each stay under this.
+    # Memory bound: the window arrays of the history and the backlog together stay under this
+    # (beyond one triaged window and one waiting).
     history_bytes: int = 96 * 1024 * 1024
     hello: Hello | None = None
     connection_id: int | None = None
@@ -105,6 +106,8 @@ class GroupStore:
             if len(self.untriaged) >= self.history_windows or (
                     self.untriaged and self.untriaged_nbytes + w.nbytes > self.history_bytes):
                 return "backlog"
+            # One budget for the group: the oldest history makes room for new windows.
+            self._trim(self.untriaged_nbytes + w.nbytes)
             self.last_end_time = w.end_time
             self.epoch_in_force = w.epoch
             self.max_epoch_seen = max(self.max_epoch_seen, w.epoch)
@@ -122,14 +125,18 @@ class GroupStore:
             return out
 
     def add_triaged(self, item: TriagedWindow) -> None:
-        """Append to the history, then drop the oldest windows past history_windows or history_bytes
-        (the newest always stays)."""
+        """Append to the history, then drop the oldest windows past history_windows or history_bytes."""
         with self.lock:
             self.history.append(item)
             self.history_nbytes += item.window.nbytes
-            while len(self.history) > 1 and (len(self.history) > self.history_windows
-                                             or self.history_nbytes > self.history_bytes):
-                self.history_nbytes -= self.history.popleft().window.nbytes
+            self._trim(self.untriaged_nbytes)
+
+    def _trim(self, pending: int) -> None:
+        """Drop the oldest history until it fits history_windows and, with `pending` bytes of
+        backlog, history_bytes (the newest triaged window always stays)."""
+        while len(self.history) > 1 and (len(self.history) > self.history_windows
+                                         or self.history_nbytes + pending > self.history_bytes):
+            self.history_nbytes -= self.history.popleft().window.nbytes
 
     def recent(self, epoch: int | None = None) -> list[TriagedWindow]:
         """History oldest first, optionally only the windows of one epoch."""

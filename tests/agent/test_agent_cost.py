@@ -75,5 +75,8 @@ def test_a_groups_history_and_backlog_are_bounded_by_bytes():
                          num_experts=w.num_experts, num_slots=w.num_slots, epoch=0), 1)
     reasons = [group.accept_window(w.replace(start_time=100.0 + i, end_time=101.0 + i)) for i in range(5)]
     assert reasons == [None, None, None, "backlog", "backlog"]
+    # One budget: the waiting windows pushed out all of the history but its newest window.
+    assert [t.window.start_time for t in group.history] == [9.0]
+    assert group.history_nbytes + group.untriaged_nbytes == 4 * size
     assert len(group.take_untriaged()) == 3 and group.untriaged_nbytes == 0
     assert group.accept_window(w.replace(start_time=200.0, end_time=201.0)) is None
