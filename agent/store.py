@@ -37,7 +37,7 @@ class GroupStore:
     history_windows: int
     # Memory bound: the window arrays of the history and the backlog together stay under this
     # (beyond one triaged window and one waiting).
-    history_bytes: int = 96 * 1024 * 1024
+    history_bytes: int = 64 * 1024 * 1024
     hello: Hello | None = None
     connection_id: int | None = None
     connected: bool = False
@@ -186,7 +186,7 @@ class GroupStore:
 class Store:
     """Every group the agent has heard from, bounded by max_groups."""
 
-    def __init__(self, history_windows: int, max_groups: int, history_bytes: int = 96 * 1024 * 1024):
+    def __init__(self, history_windows: int, max_groups: int, history_bytes: int = 64 * 1024 * 1024):
         self.history_windows = history_windows
         self.history_bytes = history_bytes
         self.max_groups = max_groups
