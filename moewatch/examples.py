@@ -276,15 +276,14 @@ def production_window(seed: int = 0, *, num_layers: int = 58, num_experts: int =
     # An expert's pairs split evenly over its slots, remainders to its first slots.
     per_slot = np.take_along_axis(load // replicas, pmap, axis=1)
     order = np.argsort(pmap, axis=1, kind="stable")
-    first = np.zeros((L, P), np.int64)
+    nth = np.zeros((L, P), np.int64)  # each slot's position among its expert's slots
     sorted_pmap = np.take_along_axis(pmap, order, axis=1)
     starts = np.concatenate([np.ones((L, 1), bool), sorted_pmap[:, 1:] != sorted_pmap[:, :-1]], axis=1)
     idx = np.arange(P)[None, :].repeat(L, 0)
     group_start = np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
-    rank_in_expert = idx - group_start  # position of each sorted slot among its expert's slots
-    np.put_along_axis(first, order, rank_in_expert, axis=1)
+    np.put_along_axis(nth, order, idx - group_start, axis=1)
     rem = np.take_along_axis(load % replicas, pmap, axis=1)
-    slot_tokens = per_slot + (first < rem)
+    slot_tokens = per_slot + (nth < rem)
     # Each slot's pairs come evenly from every rank (remainders to the first ranks).
     origin = slot_tokens[:, :, None] // W + (np.arange(W)[None, None, :] < (slot_tokens % W)[:, :, None])
     traffic = origin.reshape(L, W, spr, W).sum(axis=2).transpose(0, 2, 1)  # [L, from, to]
