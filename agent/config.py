@@ -88,6 +88,10 @@ class AgentConfig:
     basic_auth_password_file: str = _f("", "file holding the basic-auth password (first line)")
     # --- what it keeps
     history_windows: int = _f(64, "windows kept per EP group (a rolling history)", kind=int, lo=2, hi=100_000)
+    history_bytes: int = _f(64 * 1024 * 1024, "most bytes of window arrays kept per EP group, history and "
+                            "backlog together; the oldest go first (a 58x256 window is about 2.8 MB, its diagnosis "
+                            "about 0.5 MB more)",
+                            kind=int, lo=1024 * 1024, hi=1 << 40)
     max_groups: int = _f(64, "EP groups tracked at once; a hello beyond it is refused", kind=int, lo=1, hi=10_000)
     # --- the jobs
     triage_interval_seconds: float = _f(1.0, "how often the triage job triages the windows that arrived "

@@ -88,7 +88,7 @@ class Daemon:
         self._otel_readers = list(otel_readers)
         self.otel = None
         self.audit: AuditLog | None = None
-        self.store = Store(cfg.history_windows, cfg.max_groups)
+        self.store = Store(cfg.history_windows, cfg.max_groups, cfg.history_bytes)
         self.controller: Controller | None = None
         self.receiver: Receiver | None = None
         self.web: WebServer | None = None
@@ -396,7 +396,7 @@ class Daemon:
             self.controller.abandon(group, "group retired: its runtime left")
             self.store.remove(group.key)
             self.controller.forget(group.key)
-            self.metrics.forget(group.key)
+            self.metrics.remove_group(group.key)
             self.metrics.inc("moewatch_groups_retired_total", ())
             if self.audit is not None:
                 self.audit.record("group_retired", model=group.key[0], ep_group=group.key[1],

@@ -35,6 +35,9 @@ class TriagedWindow:
 class GroupStore:
     key: GroupKey
     history_windows: int
+    # Memory bound: the window arrays of the history and the backlog together stay under this
+    # (beyond one triaged window and one waiting).
+    history_bytes: int = 64 * 1024 * 1024
     hello: Hello | None = None
     connection_id: int | None = None
     connected: bool = False
@@ -49,11 +52,14 @@ class GroupStore:
     left_at: float | None = None  # when the last runtime disconnected (for retirement)
     last_heartbeat: float | None = None
     last_window_received: float | None = None
+    history_nbytes: int = 0
+    untriaged_nbytes: int = 0
     export: GroupExportMemory = field(default_factory=GroupExportMemory)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def __post_init__(self) -> None:
-        self.history = deque(maxlen=self.history_windows)
+        # Bounded by count and by bytes (add_triaged drops the oldest).
+        self.history = deque()
         # Bounded too: while the triage job is this far behind, new windows are refused ("backlog").
         self.untriaged = deque()
         self._old_lineage: set[int] = set()  # ids of untriaged windows sent by a previous lineage
@@ -77,6 +83,7 @@ class GroupStore:
             if new_lineage:
                 self.lineage += 1
                 self.history.clear()
+                self.history_nbytes = 0
                 self._old_lineage.update(id(w) for w in self.untriaged)
                 # The count is per runtime process: a reconnect of the same one continues it.
                 self.runtime_frames_dropped = 0
@@ -121,12 +128,16 @@ class GroupStore:
             reason = self.check_window(w)
             if reason is not None:
                 return reason
-            if len(self.untriaged) >= self.history_windows:
+            if len(self.untriaged) >= self.history_windows or (
+                    self.untriaged and self.untriaged_nbytes + w.nbytes > self.history_bytes):
                 return "backlog"
+            # One budget for the group: the oldest history makes room for new windows.
+            self._trim(self.untriaged_nbytes + w.nbytes)
             self.last_end_time = w.end_time
             self.epoch_in_force = w.epoch
             self.max_epoch_seen = max(self.max_epoch_seen, w.epoch)
             self.untriaged.append(w)
+            self.untriaged_nbytes += w.nbytes
             self.windows_accepted += 1
             self.last_window_received = time.time() if now is None else now
             return None
@@ -135,16 +146,27 @@ class GroupStore:
         with self.lock:
             out = list(self.untriaged)
             self.untriaged.clear()
+            self.untriaged_nbytes = 0
             return out
 
     def add_triaged(self, item: TriagedWindow) -> bool:
-        """Keep a triaged window; False (not kept) when it belongs to a lineage that has ended."""
+        """Append to the history, then drop the oldest windows past history_windows or history_bytes.
+        False (not kept) when the window belongs to a lineage that has ended."""
         with self.lock:
             if id(item.window) in self._old_lineage:
                 self._old_lineage.discard(id(item.window))
                 return False
             self.history.append(item)
+            self.history_nbytes += item.window.nbytes
+            self._trim(self.untriaged_nbytes)
             return True
+
+    def _trim(self, pending: int) -> None:
+        """Drop the oldest history until it fits history_windows and, with `pending` bytes of
+        backlog, history_bytes (the newest triaged window always stays)."""
+        while len(self.history) > 1 and (len(self.history) > self.history_windows
+                                         or self.history_nbytes + pending > self.history_bytes):
+            self.history_nbytes -= self.history.popleft().window.nbytes
 
     def recent(self, epoch: int | None = None) -> list[TriagedWindow]:
         """History oldest first, optionally only the windows of one epoch."""
@@ -177,6 +199,7 @@ class GroupStore:
                                                      "num_experts": hello.num_experts, "num_slots": hello.num_slots},
                 "epoch_in_force": self.epoch_in_force, "max_epoch_seen": self.max_epoch_seen,
                 "windows_accepted": self.windows_accepted, "history": len(self.history),
+                "history_bytes": self.history_nbytes,
                 "last_window_end": None if latest is None else latest.window.end_time,
                 "layers": [] if latest is None else [
                     {"layer": d.layer, "verdict": d.verdict, "cause": d.cause, "overflow": d.overflow,
@@ -193,8 +216,9 @@ class GroupStore:
 class Store:
     """Every group the agent has heard from, bounded by max_groups."""
 
-    def __init__(self, history_windows: int, max_groups: int):
+    def __init__(self, history_windows: int, max_groups: int, history_bytes: int = 64 * 1024 * 1024):
         self.history_windows = history_windows
+        self.history_bytes = history_bytes
         self.max_groups = max_groups
         self._groups: dict[GroupKey, GroupStore] = {}
         self._lock = threading.Lock()
@@ -206,7 +230,7 @@ class Store:
             if group is None:
                 if len(self._groups) >= self.max_groups:
                     return None
-                group = self._groups[key] = GroupStore(key, self.history_windows)
+                group = self._groups[key] = GroupStore(key, self.history_windows, self.history_bytes)
             return group
 
     def remove(self, key: GroupKey) -> GroupStore | None:

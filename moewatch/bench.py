@@ -13,9 +13,11 @@ from .cli import LazyGroup
 SUBCOMMANDS = {
     "planner": ("moewatch.planner.bench:planner", "Placement quality and speed against DeepSeek's EPLB."),
     "probe": ("moewatch.runtime.bench:probe", "The probe's overhead on the forward step (on over off)."),
+    "agent": ("moewatch.agent.bench:agent", "An agent process's CPU, memory, scrape time and lag at a window size and rate."),
 }
 
 
 @click.group(cls=LazyGroup, verbs=SUBCOMMANDS)
 def bench() -> None:
-    """Benchmarks: `planner` (against DeepSeek's EPLB), `probe` (overhead on the forward step)."""
+    """Benchmarks: `planner` (against DeepSeek's EPLB), `probe` (overhead on the forward step), `agent`
+    (one agent process at a window size and rate)."""

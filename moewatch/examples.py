@@ -6,6 +6,9 @@ else spread evenly), and times each step with a simple EP model in which every r
 together and the combine all-to-all ends when the slowest rank's compute does, so fast ranks wait
 inside the collective (the effect the triage order exists to see through).
 
+Windows with absent evidence (PARTIAL_EXAMPLES) are the same simulations with measured fields left
+out, as a source that sees only logical counts sends them (docs/telemetry.md, "Absent evidence").
+
 `write_examples(folder, seed=EXAMPLE_SEED)` is what produced examples/*.json.
 """
 
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .telemetry import Window
+from .telemetry import OPTIONAL_ARRAYS, Window
 
 EXAMPLE_SEED = 20261130
 
@@ -204,14 +207,43 @@ def simulate(s: Scenario, seed: int = EXAMPLE_SEED, start_time: float | None = N
     )
 
 
+# name -> (scenario simulated, fields left out, intended (verdict, cause, overflow)). "logical-only":
+# what an engine that counts routed pairs per logical expert and nothing else sends; its overflow
+# is unknown, so the flag is False and the layers list `capacity` as missing.
+PARTIAL_EXAMPLES: dict[str, tuple[str, tuple[str, ...], tuple[str, str | None, bool]]] = {
+    "logical-only-hot-experts": ("imbalance-hot-experts", tuple(sorted(OPTIONAL_ARRAYS)),
+                                 ("imbalance-bound", "hot-experts", False)),
+}
+
+
+def without_evidence(w: Window, fields) -> Window:
+    """The window with `fields` left out (absent evidence), marked in `extra.example.absent`."""
+    extra = dict(w.extra)
+    if "example" in extra:
+        extra["example"] = {**extra["example"], "absent": sorted(fields)}
+    return w.replace(extra=extra, **{name: None for name in fields})
+
+
+def partial_example(name: str, seed: int = EXAMPLE_SEED, start_time: float | None = None) -> Window:
+    base, fields, (verdict, cause, overflow) = PARTIAL_EXAMPLES[name]
+    w = simulate(SCENARIOS[base], seed=seed, start_time=start_time)
+    w = without_evidence(w, fields)
+    intended = {"intended_verdict": verdict, "intended_cause": cause, "intended_overflow": overflow}
+    return w.replace(model=f"example-{name}", extra={**w.extra, "example": {**w.extra["example"], **intended}})
+
+
 def write_examples(folder: str | Path, seed: int = EXAMPLE_SEED) -> list[Path]:
-    """Write one window per scenario as `<name>.json` into folder; returns the paths."""
+    """Write one window per scenario (and per partial example) as `<name>.json` into folder; returns
+    the paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i, scenario in enumerate(SCENARIOS.values()):
-        window = simulate(scenario, seed=seed + i, start_time=1_790_000_000.0)
-        path = folder / f"{scenario.name}.json"
+    windows = [(scenario.name, simulate(scenario, seed=seed + i, start_time=1_790_000_000.0))
+               for i, scenario in enumerate(SCENARIOS.values())]
+    windows += [(name, partial_example(name, seed=seed + len(SCENARIOS) + i, start_time=1_790_000_000.0))
+                for i, name in enumerate(PARTIAL_EXAMPLES)]
+    for name, window in windows:
+        path = folder / f"{name}.json"
         path.write_text(window.to_json(indent=1) + "\n")
         paths.append(path)
     return paths
@@ -220,3 +252,58 @@ def write_examples(folder: str | Path, seed: int = EXAMPLE_SEED) -> list[Path]:
 def scenario(name: str, **changes) -> Scenario:
     """A named scenario with some knobs changed (for tests and demos)."""
     return replace(SCENARIOS[name], **changes)
+
+
+def production_window(seed: int = 0, *, num_layers: int = 58, num_experts: int = 256, num_slots: int = 320,
+                      world_size: int = 64, top_k: int = 8, tokens_per_step: int = 4096, steps: int = 10,
+                      hidden_bytes: int = 14336, start_time: float = 1_790_000_000.0, model: str = "bench",
+                      ep_group: str = "bench") -> Window:
+    """One window at production size, built with array operations only (the scenarios' per-token
+    simulation is too slow at 58 x 256): a few hot experts per layer (planner.synthetic's "hot"
+    popularity), the extra slots replicating the hottest experts, each slot's pairs coming evenly
+    from every rank, times from a simple per-pair and per-byte model. For benchmarks at scale."""
+    from .planner.synthetic import popularity, sample_load
+
+    rng = np.random.default_rng(seed)
+    L, E, P, W = num_layers, num_experts, num_slots, world_size
+    spr = P // W
+    load = sample_load(popularity("hot", L, E, rng), tokens_per_step * top_k * steps, rng)  # [L, E]
+    hottest = np.argsort(-load, axis=1, kind="stable")[:, :P - E]
+    pmap = np.concatenate([np.tile(np.arange(E), (L, 1)), hottest], axis=1)
+    pmap = np.take_along_axis(pmap, np.argsort(rng.random((L, P)), axis=1), axis=1)  # scatter over ranks
+    replicas = np.zeros((L, E), np.int64)
+    np.add.at(replicas, (np.repeat(np.arange(L), P), pmap.ravel()), 1)
+    # An expert's pairs split evenly over its slots, remainders to its first slots.
+    per_slot = np.take_along_axis(load // replicas, pmap, axis=1)
+    order = np.argsort(pmap, axis=1, kind="stable")
+    nth = np.zeros((L, P), np.int64)  # each slot's position among its expert's slots
+    sorted_pmap = np.take_along_axis(pmap, order, axis=1)
+    starts = np.concatenate([np.ones((L, 1), bool), sorted_pmap[:, 1:] != sorted_pmap[:, :-1]], axis=1)
+    idx = np.arange(P)[None, :].repeat(L, 0)
+    group_start = np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
+    np.put_along_axis(nth, order, idx - group_start, axis=1)
+    rem = np.take_along_axis(load % replicas, pmap, axis=1)
+    slot_tokens = per_slot + (nth < rem)
+    # Each slot's pairs come evenly from every rank (remainders to the first ranks).
+    origin = slot_tokens[:, :, None] // W + (np.arange(W)[None, None, :] < (slot_tokens % W)[:, :, None])
+    traffic = origin.reshape(L, W, spr, W).sum(axis=2).transpose(0, 2, 1)  # [L, from, to]
+    local = np.diagonal(traffic, axis1=1, axis2=2).copy()
+    sent = traffic.sum(axis=2) - local
+    received = traffic.sum(axis=1) - local
+    rank_load = local + received
+    compute = rank_load * 2e-7 * (1 + 0.02 * rng.standard_normal((L, W)).clip(-2, 2))
+    transfer = np.maximum(sent, received).max(axis=1, keepdims=True) * hidden_bytes / 4.5e11 + 2e-5 * steps
+    dispatch = np.repeat(transfer, W, axis=1)
+    combine = compute.max(axis=1, keepdims=True) + transfer - compute
+    layer_seconds = dispatch + compute + combine + 5e-5 * steps
+    step = float(layer_seconds.max(axis=1).sum()) / steps
+    return Window(
+        runtime="moewatch-examples", model=model, ep_group=ep_group, world_size=W, ranks_per_node=8,
+        num_layers=L, num_experts=E, num_slots=P, top_k=top_k, epoch=0, steps=steps, start_time=start_time,
+        end_time=start_time + step * steps, hidden_bytes=hidden_bytes, physical_to_logical_map=pmap,
+        expert_tokens=load, slot_tokens=slot_tokens, dropped_tokens=np.zeros((L, E), np.int64),
+        rerouted_tokens=np.zeros((L, E), np.int64), capacity_factor=np.zeros(L), local_tokens=local,
+        sent_tokens=sent, received_tokens=received, traffic=traffic, dispatch_seconds=dispatch,
+        combine_seconds=combine, compute_seconds=compute, layer_seconds=layer_seconds,
+        step_seconds=np.full(steps, step) * (1 + 0.02 * rng.standard_normal(steps).clip(-2, 2)),
+        step_tokens=np.full(steps, tokens_per_step))

@@ -18,10 +18,17 @@ Verdicts and causes:
 
 Every predicted gain is the share of the layer's per-step time an action is expected to remove,
 estimated from this window alone (the planner's cost model refines it). Pure functions of a Window.
+
+Absent evidence (a source that cannot measure timings or rank-level counts): a step whose evidence
+is missing is reported as unknown, in the evidence and as null metrics; the verdict comes from the
+steps that have evidence, and each layer lists what was missing (`missing`, EVIDENCE kinds). With
+no rank-level counts, step 2 falls back on the one dispersion every window has, the expert load's.
+An action whose gain needs an unmeasured number carries `predicted_gain` None, never an estimate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,13 +50,13 @@ ACTION_KINDS = ("replicate", "capacity", "placement", "batch")
 @dataclass(frozen=True)
 class Action:
     kind: str  # one of ACTION_KINDS
-    predicted_gain: float  # share of the layer's per-step time removed, in [0, 1)
+    predicted_gain: float | None  # share of the layer's per-step time removed, in [0, 1); None: unknown
     summary: str  # one sentence for an operator
     params: dict[str, Any] = field(default_factory=dict)  # experts, value, ...
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "predicted_gain": round(self.predicted_gain, 4), "summary": self.summary,
-                **self.params}
+        gain = None if self.predicted_gain is None else round(self.predicted_gain, 4)
+        return {"kind": self.kind, "predicted_gain": gain, "summary": self.summary, **self.params}
 
 
 @dataclass(frozen=True)
@@ -61,13 +68,15 @@ class LayerDiagnosis:
     metrics: dict[str, Any]
     evidence: list[str]
     actions: list[Action]
-    # Seconds per step this layer could save with its best action: the ranking key.
+    # Seconds per step this layer could save with its best action: the ranking key (NaN: unknown).
     seconds_at_stake: float
+    # Evidence kinds (telemetry.EVIDENCE) the window lacked: their triage steps are unknown.
+    missing: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"layer": self.layer, "verdict": self.verdict, "cause": self.cause, "overflow": self.overflow,
-                "seconds_at_stake": _finite(self.seconds_at_stake), "metrics": self.metrics,
-                "evidence": self.evidence, "actions": [a.to_dict() for a in self.actions]}
+                "seconds_at_stake": _finite(self.seconds_at_stake), "missing": self.missing,
+                "metrics": self.metrics, "evidence": self.evidence, "actions": [a.to_dict() for a in self.actions]}
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,8 @@ class WindowDiagnosis:
 
 
 def _severity_key(d: LayerDiagnosis) -> tuple:
-    return (d.verdict == HEALTHY, not d.overflow, -d.seconds_at_stake, d.layer)
+    stake = d.seconds_at_stake if math.isfinite(d.seconds_at_stake) else 0.0
+    return (d.verdict == HEALTHY, not d.overflow, -stake, d.layer)
 
 
 def _finite(x: Any) -> Any:
@@ -97,70 +107,223 @@ def _finite(x: Any) -> Any:
 
 
 # --- load-shape estimates behind the predicted gains ------------------------------------------
+# Vectorised over rows (one row per layer, or per layer and action), so a window of 58 layers costs
+# a few dozen numpy calls, not tens of thousands. Each equals, row by row, the one-row greedy it is
+# named after (tests/core/test_triage_vectorised.py keeps the loops as the reference).
+
+def pack_max_loads(items: np.ndarray, num_ranks: int, slots_per_rank: np.ndarray | int) -> np.ndarray:
+    """[R, n] item loads -> [R] busiest rank's load after greedy packing, per row: heaviest item to
+    the least-loaded rank with a free slot (the lowest index among equals). slots_per_rank: [R] or
+    one int; each row needs n <= num_ranks * slots_per_rank (zero items may pad a row).
+
+    Exactly the sequential greedy, in batches: after sorting the open ranks by (load, index), the next
+    items go to them in that order for as long as each stays the least loaded; the batch stops at the
+    first item whose turn is not certain (a tie included), and the next batch sorts again. Zero
+    items come last and change no load, so they are never placed."""
+    x = np.sort(np.asarray(items, dtype=np.float64), axis=1)[:, ::-1]
+    R, n = x.shape
+    W = int(num_ranks)
+    todo = (x > 0).sum(axis=1)
+    x = np.concatenate([x, np.zeros((R, W))], axis=1)  # a batch never reads past a row's end
+    loads = np.zeros((R, W))
+    free = np.repeat(np.broadcast_to(np.asarray(slots_per_rank, dtype=np.int64), (R,))[:, None], W, axis=1)
+    ptr = np.zeros(R, dtype=np.int64)
+    cols = np.arange(W)
+    active = np.flatnonzero(ptr < todo)
+    while active.size:
+        load, slots, at = loads[active], free[active], ptr[active]
+        key = np.where(slots > 0, load, np.inf)
+        order = np.argsort(key, axis=1, kind="stable")
+        key_sorted = np.take_along_axis(key, order, axis=1)  # full ranks last, at inf
+        slots_sorted = np.take_along_axis(slots, order, axis=1)
+        after = key_sorted + np.take_along_axis(x[active], at[:, None] + cols[None, :], axis=1)
+        # Item j goes to the j-th open rank if that rank is lighter than every rank given an item
+        # earlier in the batch (and still open); equal is not certain (the index decides): stop.
+        rivals = np.minimum.accumulate(np.where(slots_sorted > 1, after, np.inf), axis=1)
+        ok = np.ones(after.shape, dtype=bool)
+        ok[:, 1:] = key_sorted[:, 1:] < rivals[:, :-1]
+        ok &= np.isfinite(key_sorted) & (cols[None, :] < (todo[active] - at)[:, None])
+        taken = np.logical_and.accumulate(ok, axis=1)
+        np.put_along_axis(load, order, np.where(taken, after, np.take_along_axis(load, order, axis=1)), axis=1)
+        np.put_along_axis(slots, order, slots_sorted - taken, axis=1)
+        loads[active], free[active] = load, slots
+        ptr[active] = at + taken.sum(axis=1)
+        active = active[ptr[active] < todo[active]]
+    return loads.max(axis=1)
+
 
 def pack_max_load(item_loads: np.ndarray, num_ranks: int, slots_per_rank: int) -> float:
     """Busiest rank's load after greedy packing (heaviest item to the least-loaded rank with a free
     slot). item_loads: [n] with n <= num_ranks * slots_per_rank. An estimate, not the planner."""
-    loads = np.zeros(num_ranks)
-    free = np.full(num_ranks, slots_per_rank)
-    for item in np.sort(np.asarray(item_loads, dtype=np.float64))[::-1]:
-        open_ranks = np.flatnonzero(free > 0)
-        target = open_ranks[np.argmin(loads[open_ranks])]
-        loads[target] += item
-        free[target] -= 1
-    return float(loads.max())
+    items = np.asarray(item_loads, dtype=np.float64).reshape(1, -1)
+    return float(pack_max_loads(items, num_ranks, slots_per_rank)[0])
+
+
+def replica_splits(expert_load: np.ndarray, hot: np.ndarray, extra_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Slot loads after giving extra_slots[r] replicas to row r's experts hot[r] (-1 pads), one at a
+    time to whichever of them has the most load per replica (the first listed among equals).
+    expert_load: [R, E], hot: [R, H], extra_slots: [R] -> ([R, E + max(extra)] slot loads, zero
+    padded; [R] slots used = E + extra)."""
+    load = np.asarray(expert_load, dtype=np.float64)
+    R, E = load.shape
+    extra = np.asarray(extra_slots, dtype=np.int64)
+    valid = hot >= 0
+    rows = np.arange(R)[:, None]
+    hot_load = np.where(valid, load[rows, np.maximum(hot, 0)], -np.inf)
+    reps = valid.astype(np.int64)
+    for k in range(int(extra.max(initial=0))):
+        live = np.flatnonzero(k < extra)
+        best = np.argmax(hot_load[live] / np.maximum(reps[live], 1), axis=1)
+        reps[live, best] += 1
+    counts = np.ones((R, E), dtype=np.int64)
+    counts[np.nonzero(valid)[0], hot[valid]] = reps[valid]
+    used = counts.sum(axis=1)
+    values = np.repeat((load / counts).ravel(), counts.ravel())
+    row_of = np.repeat(np.arange(R), used)
+    offset = np.arange(values.size) - np.repeat(np.cumsum(used) - used, used)
+    out = np.zeros((R, int(used.max(initial=E))))
+    out[row_of, offset] = values
+    return out, used
 
 
 def replica_split(expert_load: np.ndarray, experts: list[int], extra_slots: int) -> np.ndarray:
     """Slot loads after giving `extra_slots` replicas to `experts`, one at a time to whichever of
     them has the most load per replica. expert_load: [E] -> [E + extra_slots]."""
-    expert_load = np.asarray(expert_load, dtype=np.float64)
-    replicas = {e: 1 for e in experts}
-    for _ in range(extra_slots):
-        e = max(experts, key=lambda x: expert_load[x] / replicas[x])
-        replicas[e] += 1
-    parts = [np.full(replicas.get(e, 1), expert_load[e] / replicas.get(e, 1)) for e in range(len(expert_load))]
-    return np.concatenate(parts)
+    out, used = replica_splits(np.asarray(expert_load, dtype=np.float64)[None, :], np.array([experts]),
+                               np.array([extra_slots]))
+    return out[0, :used[0]]
+
+
+def capacities_for_overflow(expert_load: np.ndarray, target: float) -> np.ndarray:
+    """Per row, the smallest capacity factor C (capacity = C x mean expert load) whose overflow share
+    of the routed pairs stays at or under `target`, assuming the window's per-expert shares hold per
+    step. expert_load: [R, E] (pair counts) -> [R]; 0.0 for an idle row.
+
+    overflow(C) = sum(max(0, load - C*mean)) is piecewise linear and decreasing in C, with breaks at
+    the loads: the first break (hottest first) where the overflow passes the budget fixes the piece,
+    and C is solved within it."""
+    load = -np.sort(-np.asarray(expert_load, dtype=np.float64), axis=1)
+    R, E = load.shape
+    total, mean = load.sum(axis=1), load.mean(axis=1)
+    budget = target * total
+    above = np.cumsum(load, axis=1)  # [R, k-1]: pairs of the k hottest experts
+    n_over = np.arange(1, E + 1)
+    next_level = np.concatenate([load[:, 1:], np.zeros((R, 1))], axis=1)
+    passes = (above - n_over * next_level > budget[:, None]) | (n_over == E)
+    k = np.argmax(passes, axis=1)
+    cap = (above[np.arange(R), k] - budget) / n_over[k]
+    out = np.zeros(R)
+    np.divide(np.maximum(cap, 0.0), mean, out=out, where=total > 0)
+    return out
 
 
 def capacity_for_overflow(expert_load: np.ndarray, target: float) -> float:
     """Smallest capacity factor C (capacity = C x mean expert load) whose overflow share of the
-    routed pairs stays at or under `target`, assuming the window's per-expert shares hold per step.
-    expert_load: [E]. Returns 0.0 for an idle layer."""
-    load = np.sort(np.asarray(expert_load, dtype=np.float64))[::-1]
-    total, mean = load.sum(), load.mean()
-    if total <= 0:
-        return 0.0
-    budget = target * total
-    # overflow(C) = sum(max(0, load - C*mean)) is piecewise linear and decreasing in C: walk the
-    # breakpoints (the loads themselves) until the budget is met, then interpolate within the piece.
-    for n_over in range(1, len(load) + 1):
-        next_level = load[n_over] if n_over < len(load) else 0.0
-        overflow_at_next = float((load[:n_over] - next_level).sum())
-        if overflow_at_next > budget or n_over == len(load):
-            cap = (load[:n_over].sum() - budget) / n_over
-            return float(max(cap, 0.0) / mean)
-    return float(load[0] / mean)  # pragma: no cover - loop always returns
+    routed pairs stays at or under `target`. expert_load: [E]. Returns 0.0 for an idle layer."""
+    return float(capacities_for_overflow(np.asarray(expert_load, dtype=np.float64)[None, :], target)[0])
+
+
+def overflows_at_capacity(expert_load: np.ndarray, capacity_factor: np.ndarray) -> np.ndarray:
+    """[R, E] loads, [R] capacity factors -> [R] share of routed pairs over capacity (C x mean)."""
+    load = np.asarray(expert_load, dtype=np.float64)
+    c = np.asarray(capacity_factor, dtype=np.float64)
+    total = load.sum(axis=1)
+    over = np.maximum(load - (c * load.mean(axis=1))[:, None], 0.0).sum(axis=1)
+    out = np.zeros(len(load))
+    np.divide(over, total, out=out, where=(total > 0) & (c > 0))
+    return out
 
 
 def overflow_at_capacity(expert_load: np.ndarray, capacity_factor: float) -> float:
     """Share of routed pairs over capacity when capacity = C x mean expert load. expert_load: [E]."""
-    load = np.asarray(expert_load, dtype=np.float64)
-    total = load.sum()
-    if total <= 0 or capacity_factor <= 0:
-        return 0.0
-    return float(np.maximum(load - capacity_factor * load.mean(), 0.0).sum() / total)
+    return float(overflows_at_capacity(np.asarray(expert_load, dtype=np.float64)[None, :],
+                                       np.array([capacity_factor]))[0])
+
+
+def _round_up_all(capacity_factor: np.ndarray) -> np.ndarray:
+    """Two decimals for humans, rounded up so the overflow target still holds."""
+    return np.ceil(np.asarray(capacity_factor) * 100 - 1e-9) / 100
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """What the actions' gains rest on, for every layer of a window at once (NaN where not wanted
+    or not measurable): the busiest rank's load after each action, and the capacity factors."""
+
+    replicate_experts: list[list[int]]  # per layer, the experts `replicate` names
+    replicate_extra: np.ndarray  # [L] extra slots it asks for
+    replicate_max_load: np.ndarray  # [L]
+    placement_max_load: np.ndarray  # [L] re-packing the measured slot loads
+    capacity: np.ndarray  # [L] capacity factor for the overflow target, rounded up
+    cap_max_load: np.ndarray  # [L] after capping experts at `capacity` (lossy)
+    cap_overflow: np.ndarray  # [L] overflow share that cap costs
+
+
+def predict(w: Window, metrics: list[dict[str, Any]], t: Thresholds, layers: np.ndarray | None = None
+            ) -> Predictions:
+    """The load-shape estimates for `layers` (default every layer), in one batched greedy packing.
+    Without measured rank load there is nothing to compare an estimate with: loads are NaN."""
+    L, E, W, spr = w.num_layers, w.num_experts, w.world_size, w.slots_per_rank
+    layers = np.arange(L) if layers is None else np.asarray(layers, dtype=np.int64)
+    expert_load = tm.kept_tokens(w).astype(np.float64)
+    routed = w.expert_tokens
+    hot_lists = [[] for _ in range(L)]
+    for layer in layers:
+        hot_lists[layer] = metrics[layer]["hot_experts"] or [
+            int(e) for e in np.argsort(-expert_load[layer], kind="stable")[:max(1, W // 2)]]
+    extra = np.array([max(len(h), W // 2) for h in hot_lists], dtype=np.int64)
+    capacity = _round_up_all(capacities_for_overflow(routed, t.overflow_target))
+    nan = np.full(L, np.nan)
+    rep_max, place_max, cap_max, cap_overflow = nan.copy(), nan.copy(), nan.copy(), nan.copy()
+    if len(layers) and tm.rank_load(w) is not None:
+        width = max((len(hot_lists[layer]) for layer in layers), default=1)
+        hot = np.full((len(layers), width), -1, dtype=np.int64)
+        for i, layer in enumerate(layers):
+            hot[i, :len(hot_lists[layer])] = hot_lists[layer]
+        split, _ = replica_splits(expert_load[layers], hot, extra[layers])
+        groups = [(split, spr + -(-extra[layers] // W), rep_max, layers)]
+        if w.slot_tokens is not None:
+            groups.append((w.slot_tokens[layers].astype(np.float64), np.full(len(layers), spr), place_max, layers))
+        capped_layers = layers[capacity[layers] > 0]
+        if capped_layers.size:
+            mean = routed[capped_layers].mean(axis=1)
+            capped = np.minimum(routed[capped_layers], (capacity[capped_layers] * mean)[:, None])
+            groups.append((capped, np.full(len(capped_layers), spr), cap_max, capped_layers))
+            cap_overflow[capped_layers] = overflows_at_capacity(routed[capped_layers], capacity[capped_layers])
+        width = max(g[0].shape[1] for g in groups)
+        items = np.concatenate([np.pad(g[0], ((0, 0), (0, width - g[0].shape[1]))) for g in groups])
+        result = pack_max_loads(items, W, np.concatenate([g[1] for g in groups]))
+        at = 0
+        for rows, _, target, where in groups:
+            target[where] = result[at:at + len(rows)]
+            at += len(rows)
+    return Predictions(hot_lists, extra, rep_max, place_max, capacity, cap_max, cap_overflow)
 
 
 # --- the triage --------------------------------------------------------------------------------
 
+# Why each evidence kind is missing, in words: the fields a source would have to carry.
+_NEEDS = {kind: " or ".join(" + ".join(opt) for opt in options) for kind, options in tm.EVIDENCE.items()}
+
+
+def unknown_text(what: str, kind: str) -> str:
+    """One evidence line for a triage step the window cannot support."""
+    return f"{what}: unknown (the window does not carry {_NEEDS[kind]})."
+
+
+def _column(values: np.ndarray | None, layer: int) -> Any:
+    return None if values is None else _finite(float(values[layer]))
+
+
 def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
-    """The numbers behind each layer's verdict, JSON-ready (per-step values divide by w.steps)."""
+    """The numbers behind each layer's verdict, JSON-ready (per-step values divide by w.steps).
+    A number the window cannot support is None (null in JSON), never an estimate."""
     steps = max(w.steps, 1)
-    share = tm.a2a_share(w)
     load = tm.rank_load(w)
+    bound = tm.a2a_lower_bound_seconds(w, t.link_bandwidth_bytes_per_second)
+    measured = tm.a2a_measured_seconds(w)
     cols = {
-        "a2a_share": share,
+        "a2a_share": tm.a2a_share(w),
         "rank_load_max_min": tm.rank_load_max_min(w),
         "rank_load_max_mean": tm.rank_load_max_mean(w),
         "rank_load_cv": tm.rank_load_cv(w),
@@ -171,12 +334,12 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         "overflow_rate": tm.overflow_rate(w),
         "effective_capacity_factor": tm.effective_capacity_factor(w),
         "a2a_efficiency": tm.a2a_efficiency(w, t.link_bandwidth_bytes_per_second),
-        "a2a_lower_bound_seconds_per_step": tm.a2a_lower_bound_seconds(w, t.link_bandwidth_bytes_per_second) / steps,
-        "a2a_seconds_per_step": tm.a2a_measured_seconds(w) / steps,
-        "dispatch_seconds_per_step": w.dispatch_seconds.max(axis=1) / steps,
-        "combine_seconds_per_step": w.combine_seconds.max(axis=1) / steps,
-        "compute_seconds_per_step": w.compute_seconds.max(axis=1) / steps,
-        "layer_seconds_per_step": w.layer_seconds.max(axis=1) / steps,
+        "a2a_lower_bound_seconds_per_step": None if bound is None else bound / steps,
+        "a2a_seconds_per_step": None if measured is None else measured / steps,
+        "dispatch_seconds_per_step": tm.per_step_max(w, "dispatch_seconds"),
+        "combine_seconds_per_step": tm.per_step_max(w, "combine_seconds"),
+        "compute_seconds_per_step": tm.per_step_max(w, "compute_seconds"),
+        "layer_seconds_per_step": tm.per_step_max(w, "layer_seconds"),
         "compute_max_mean": tm.compute_max_mean(w),
         "mean_message_bytes": tm.mean_message_bytes(w),
         "capacity_factor": w.capacity_factor,
@@ -186,15 +349,18 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
     cross_node = topology.cross_node_ratio(w.traffic, w.world_size, w.ranks_per_node, w.num_layers)
     expected_node = topology.expected_cross_node_ratio(w.expert_tokens, w.physical_to_logical_map, w.world_size,
                                                        w.ranks_per_node)
+    routed = w.expert_tokens.sum(axis=1)
+    dropped = None if w.dropped_tokens is None else w.dropped_tokens.sum(axis=1)
+    rerouted = None if w.rerouted_tokens is None else w.rerouted_tokens.sum(axis=1)
     out = []
     for layer in range(w.num_layers):
-        row = {name: _finite(float(col[layer])) for name, col in cols.items()}
+        row = {name: _column(col, layer) for name, col in cols.items()}
         row.update({
-            "routed_pairs": int(w.expert_tokens[layer].sum()),
-            "dropped_pairs": int(w.dropped_tokens[layer].sum()),
-            "rerouted_pairs": int(w.rerouted_tokens[layer].sum()),
-            "rank_load": [int(x) for x in load[layer]],
-            "busiest_rank": int(np.argmax(load[layer])),
+            "routed_pairs": int(routed[layer]),
+            "dropped_pairs": None if dropped is None else int(dropped[layer]),
+            "rerouted_pairs": None if rerouted is None else int(rerouted[layer]),
+            "rank_load": None if load is None else [int(x) for x in load[layer]],
+            "busiest_rank": None if load is None else int(np.argmax(load[layer])),
             "hot_experts": hot[layer],
             "cross_node_ratio": None if cross_node is None else _finite(float(cross_node[layer])),
             "expected_cross_node_ratio": _finite(float(expected_node[layer])),
@@ -203,35 +369,71 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
     return out
 
 
-def diagnose_layer(w: Window, layer: int, m: dict[str, Any], t: Thresholds) -> LayerDiagnosis:
-    """Apply the documented order to one layer's metrics `m` (from layer_metrics)."""
-    evidence: list[str] = []
-    overflow = (m["overflow_rate"] or 0.0) > t.overflow_rate
-    layer_step = m["layer_seconds_per_step"] or 0.0
+def diagnose_layer(w: Window, layer: int, m: dict[str, Any], t: Thresholds,
+                   missing: list[str] | None = None) -> LayerDiagnosis:
+    """Apply the documented order to one layer's metrics `m` (from layer_metrics). `missing`: the
+    window's missing evidence kinds (computed once per window by `diagnose`)."""
+    judged, idle = _judge(w, layer, m, t, list(w.missing_evidence if missing is None else missing))
+    if idle:
+        return judged
+    return _with_actions(w, judged, t, predict(w, {layer: m}, t, np.array([layer])) if _wants_packing(judged) else None)
 
-    if m["routed_pairs"] < t.min_routed_pairs or layer_step <= 0:
+
+def _wants_packing(d: LayerDiagnosis) -> bool:
+    """Whether the layer's actions rest on the packing estimates (replicate or placement)."""
+    return d.verdict == IMBALANCE_BOUND or d.cause in ("volume", "placement")
+
+
+def _with_actions(w: Window, d: LayerDiagnosis, t: Thresholds, pred: Predictions | None) -> LayerDiagnosis:
+    actions = _rank_actions(w, d.layer, d.metrics, t, d.verdict, d.cause, d.overflow, pred)
+    best = actions[0].predicted_gain if actions else 0.0
+    layer_step = d.metrics["layer_seconds_per_step"]
+    if best == 0.0:
+        stake = 0.0
+    else:
+        stake = math.nan if best is None or layer_step is None else best * layer_step
+    return dataclasses.replace(d, actions=actions, seconds_at_stake=stake)
+
+
+def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: list[str]
+           ) -> tuple[LayerDiagnosis, bool]:
+    """Verdict, cause, overflow flag and evidence in the documented order (no actions yet); True
+    when the layer is idle (final as it is)."""
+    evidence: list[str] = []
+    overflow = m["overflow_rate"] is not None and m["overflow_rate"] > t.overflow_rate
+    layer_step = m["layer_seconds_per_step"]
+
+    if m["routed_pairs"] < t.min_routed_pairs or (layer_step is not None and layer_step <= 0):
         evidence.append("The layer routed no pairs in this window: nothing to judge.")
-        return LayerDiagnosis(layer, HEALTHY, None, False, m, evidence, [], 0.0)
+        return LayerDiagnosis(layer, HEALTHY, None, False, m, evidence, [], 0.0, missing), True
 
     # 1. Is communication dominant?
     share = m["a2a_share"]
-    comm = share >= t.comm_share
-    evidence.append(
-        f"All-to-all takes {share:.0%} of layer time (threshold {t.comm_share:.0%}): "
-        + ("communication dominates." if comm else "communication does not dominate."))
+    comm: bool | None = None
+    if share is None:
+        evidence.append(unknown_text("All-to-all share of layer time", "a2a_time"))
+    else:
+        comm = share >= t.comm_share
+        evidence.append(
+            f"All-to-all takes {share:.0%} of layer time (threshold {t.comm_share:.0%}): "
+            + ("communication dominates." if comm else "communication does not dominate."))
 
     # 2. Are the ranks balanced?
     busiest, cv, max_mean = m["busiest_rank"], m["rank_load_cv"], m["rank_load_max_mean"]
-    imbalanced = cv > t.rank_load_cv or max_mean > t.rank_load_max_mean
-    max_min = m["rank_load_max_min"]
-    max_min_text = "inf" if max_min is None else f"{max_min:.2f}"
-    if imbalanced:
-        evidence.append(
-            f"Rank {busiest} computes {max_mean:.2f}x the mean load (max/min {max_min_text}, "
-            f"std/mean {cv:.2f}; threshold {t.rank_load_cv:.2f}): the other ranks wait for it"
-            + (" inside the all-to-all." if comm else "."))
+    imbalanced: bool | None = None
+    if cv is None:
+        evidence.append(unknown_text("Rank load", "rank_load"))
     else:
-        evidence.append(f"Ranks are balanced: std/mean {cv:.2f}, max/mean {max_mean:.2f}.")
+        imbalanced = cv > t.rank_load_cv or max_mean > t.rank_load_max_mean
+        max_min = m["rank_load_max_min"]
+        max_min_text = "inf" if max_min is None else f"{max_min:.2f}"
+        if imbalanced:
+            evidence.append(
+                f"Rank {busiest} computes {max_mean:.2f}x the mean load (max/min {max_min_text}, "
+                f"std/mean {cv:.2f}; threshold {t.rank_load_cv:.2f}): the other ranks wait for it"
+                + (" inside the all-to-all." if comm else "."))
+        else:
+            evidence.append(f"Ranks are balanced: std/mean {cv:.2f}, max/mean {max_mean:.2f}.")
     hot = m["hot_experts"]
     skewed = bool(hot) and m["expert_load_cv"] > t.expert_load_cv
     if hot:
@@ -239,20 +441,27 @@ def diagnose_layer(w: Window, layer: int, m: dict[str, Any], t: Thresholds) -> L
         shown = ", ".join(f"{e} ({w.expert_tokens[layer, e] / mean_expert:.1f}x)" for e in hot[:5])
         evidence.append(f"Hot experts (over {t.hot_expert_multiple:g}x the mean load): {shown}; "
                         f"expert load std/mean {m['expert_load_cv']:.2f}.")
+    if imbalanced is None and skewed:
+        evidence.append("Without rank load, the expert load's own dispersion is step 2's evidence: "
+                        "the layer is judged imbalanced on skewed expert load.")
 
     # 3. Does the mapping drive the traffic?
     cross, expected = m["cross_rank_ratio"], m["expected_cross_rank_ratio"]
-    mapping_driven = cross > expected + t.cross_rank_margin
-    evidence.append(
-        f"{cross:.0%} of pairs cross ranks; the placement predicts {expected:.0%}"
-        + (": the expert-to-rank mapping drives the traffic." if mapping_driven else "."))
+    mapping_driven: bool | None = None
+    if cross is None:
+        evidence.append(unknown_text(f"Cross-rank ratio (the placement predicts {expected:.0%})", "cross_rank"))
+    else:
+        mapping_driven = cross > expected + t.cross_rank_margin
+        evidence.append(
+            f"{cross:.0%} of pairs cross ranks; the placement predicts {expected:.0%}"
+            + (": the expert-to-rank mapping drives the traffic." if mapping_driven else "."))
     node_line = topology.cross_node_evidence(m.get("cross_node_ratio"), m.get("expected_cross_node_ratio"),
                                              w.world_size, w.ranks_per_node, comm, t.cross_rank_margin)
     if node_line:
         evidence.append(node_line)
-    small = (m["mean_message_bytes"] or 0.0) < t.small_message_bytes
+    small = None if m["mean_message_bytes"] is None else m["mean_message_bytes"] < t.small_message_bytes
 
-    if imbalanced:
+    if imbalanced or (imbalanced is None and skewed):
         verdict, cause = IMBALANCE_BOUND, ("hot-experts" if skewed else "straggler")
     elif comm:
         verdict = COMM_BOUND
@@ -260,9 +469,13 @@ def diagnose_layer(w: Window, layer: int, m: dict[str, Any], t: Thresholds) -> L
             cause = "small-batch"
             evidence.append(f"Messages average {m['mean_message_bytes']:.0f} B, under "
                             f"{t.small_message_bytes:.0f} B: fixed per-message cost dominates.")
+        elif small is None or mapping_driven is None:
+            cause = None
+            evidence.append("Cause unknown: message size and cross-rank traffic were not measured.")
         else:
             cause = "placement" if mapping_driven else "volume"
-    elif m["compute_max_mean"] > t.compute_straggler_max_mean:
+    elif (imbalanced is False and m["compute_max_mean"] is not None
+          and m["compute_max_mean"] > t.compute_straggler_max_mean):
         verdict, cause = IMBALANCE_BOUND, "straggler"
         slow = int(np.argmax(w.compute_seconds[layer]))
         evidence.append(f"At even load, rank {slow}'s expert compute takes {m['compute_max_mean']:.2f}x the "
@@ -272,10 +485,12 @@ def diagnose_layer(w: Window, layer: int, m: dict[str, Any], t: Thresholds) -> L
     if overflow:
         evidence.append(f"Overflow: {m['overflow_rate']:.1%} of routed pairs were dropped or rerouted "
                         f"(threshold {t.overflow_rate:.0%}).")
+    elif m["overflow_rate"] is None:
+        evidence.append(unknown_text("Overflow", "capacity"))
+    if missing:
+        evidence.append(f"Verdict from the steps with evidence; missing: {', '.join(missing)}.")
 
-    actions = _rank_actions(w, layer, m, t, verdict, cause, overflow)
-    best = actions[0].predicted_gain if actions else 0.0
-    return LayerDiagnosis(layer, verdict, cause, overflow, m, evidence, actions, best * layer_step)
+    return LayerDiagnosis(layer, verdict, cause, overflow, m, evidence, [], 0.0, missing), False
 
 
 def _round_up(capacity_factor: float) -> float:
@@ -283,42 +498,41 @@ def _round_up(capacity_factor: float) -> float:
     return math.ceil(capacity_factor * 100 - 1e-9) / 100
 
 
-def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds,
-                  verdict: str, cause: str | None, overflow: bool) -> list[Action]:
-    W, spr = w.world_size, w.slots_per_rank
-    slot_load = w.slot_tokens[layer].astype(np.float64)
-    expert_load = (w.expert_tokens[layer] - w.dropped_tokens[layer]).astype(np.float64)
-    now_max = float(max(np.max(m["rank_load"]), 1))
+def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds, verdict: str, cause: str | None,
+                  overflow: bool, pred: Predictions | None) -> list[Action]:
+    W = w.world_size
+    # Gains are relative to the busiest rank's measured load: unknown (None) without rank load.
+    now_max = None if m["rank_load"] is None else float(max(np.max(m["rank_load"]), 1))
     share = m["a2a_share"]
     actions: list[Action] = []
 
+    def relief(after: float) -> float | None:
+        return None if now_max is None or math.isnan(after) else max(0.0, 1.0 - after / now_max)
+
     if verdict == IMBALANCE_BOUND or cause == "volume":
-        hot = m["hot_experts"] or [int(e) for e in np.argsort(-expert_load, kind="stable")[:max(1, W // 2)]]
-        extra = max(len(hot), W // 2)
-        split = replica_split(expert_load, hot, extra)
-        after = pack_max_load(split, W, spr + math.ceil(extra / W))
-        gain = max(0.0, 1.0 - after / now_max)
+        hot, extra = pred.replicate_experts[layer], int(pred.replicate_extra[layer])
+        gain = relief(float(pred.replicate_max_load[layer]))
         if cause == "volume":
             # Replicas also keep pairs local: the cross-rank share falls by the replicas' local hits.
-            gain = max(gain, share * min(1.0, extra / max(w.num_slots, 1)))
+            gain = max(gain or 0.0, share * min(1.0, extra / max(w.num_slots, 1)))
         actions.append(Action("replicate", gain,
                               f"Replicate expert{'s' if len(hot) > 1 else ''} {', '.join(map(str, hot))} "
                               f"with {extra} extra slot{'s' if extra > 1 else ''}.",
                               {"experts": hot, "extra_slots": extra}))
 
     if verdict == IMBALANCE_BOUND or cause == "placement":
-        after = pack_max_load(slot_load, W, spr)
-        gain = max(0.0, 1.0 - after / now_max)
-        compute = w.compute_seconds[layer]
-        if cause == "straggler" and compute.max() > 0 and np.all(compute > 0):
+        gain = relief(float(pred.placement_max_load[layer]))
+        compute = None if w.compute_seconds is None else w.compute_seconds[layer]
+        if (cause == "straggler" and compute is not None and m["rank_load"] is not None and w.layer_seconds is not None
+                and compute.max() > 0 and np.all(compute > 0)):
             # Aurora on uneven devices: load in proportion to each rank's speed, heaviest to fastest.
             speed = np.asarray(m["rank_load"], dtype=np.float64) / compute
             balanced_time = float(np.sum(m["rank_load"]) / speed.sum())
             compute_share = float(compute.max() / max(w.layer_seconds[layer].max(), 1e-12))
-            gain = max(gain, compute_share * (1.0 - balanced_time / float(compute.max())))
+            gain = max(gain or 0.0, compute_share * (1.0 - balanced_time / float(compute.max())))
         if cause == "placement":
             cross, expected = m["cross_rank_ratio"], m["expected_cross_rank_ratio"]
-            gain = max(gain, share * (cross - expected) / max(cross, 1e-9))
+            gain = max(gain or 0.0, share * (cross - expected) / max(cross, 1e-9))
         actions.append(Action("placement", gain,
                               "Re-solve the expert placement (moewatch plan): balance rank load"
                               + (" and co-locate experts tokens use together." if cause == "placement" else "."),
@@ -333,14 +547,13 @@ def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds,
                               f"Raise the capacity factor from {current:g} to {value:g}: predicted overflow "
                               f"{m['overflow_rate']:.1%} -> {left:.1%} (more expert memory, no latency gain).",
                               {"value": value, "predicted_overflow": round(left, 4)}))
-    elif verdict == IMBALANCE_BOUND and cause == "hot-experts":
-        # Capping the hot experts levels the ranks, paid for in dropped pairs.
-        value = _round_up(capacity_for_overflow(w.expert_tokens[layer], t.overflow_target))
+    elif verdict == IMBALANCE_BOUND and cause == "hot-experts" and now_max is not None:
+        # Capping the hot experts levels the ranks, paid for in dropped pairs (never offered on an
+        # unknown gain: a lossy action has to show what it buys).
+        value = float(pred.capacity[layer])
         if value > 0:
-            capped = np.minimum(w.expert_tokens[layer], value * w.expert_tokens[layer].mean())
-            after = pack_max_load(capped, W, spr)
-            gain = max(0.0, 1.0 - after / now_max)
-            drop = overflow_at_capacity(w.expert_tokens[layer], value)
+            gain = relief(float(pred.cap_max_load[layer]))
+            drop = float(pred.cap_overflow[layer])
             actions.append(Action("capacity", gain,
                                   f"Cap experts at capacity factor {value:g}: levels the ranks at the cost of "
                                   f"{drop:.1%} of pairs dropped or rerouted.",
@@ -352,10 +565,11 @@ def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds,
                               "Raise the batch (or chunked-prefill size) to amortise per-collective cost; "
                               "it adds queueing delay, so check TTFT against its SLO.", {"factor": 2}))
     # Actions that drop pairs trade model quality for speed: an operator opts into them, so they rank
-    # after every lossless action whatever their gain.
+    # after every lossless action whatever their gain. An unknown gain ranks after the known ones.
     # An action predicted to save under 1 % is noise, except a capacity raise: it cures drops, not time.
-    actions = [a for a in actions if a.predicted_gain >= 0.01 or (a.kind == "capacity" and overflow)]
-    actions.sort(key=lambda a: (bool(a.params.get("lossy")), -a.predicted_gain))
+    actions = [a for a in actions if a.predicted_gain is None or a.predicted_gain >= 0.01
+               or (a.kind == "capacity" and overflow)]
+    actions.sort(key=lambda a: (bool(a.params.get("lossy")), a.predicted_gain is None, -(a.predicted_gain or 0.0)))
     return actions
 
 
@@ -363,7 +577,12 @@ def diagnose(w: Window, t: Thresholds | None = None) -> WindowDiagnosis:
     """Triage every layer of a window and summarise it."""
     t = t or Thresholds()
     metrics = layer_metrics(w, t)
-    layers = [diagnose_layer(w, i, m, t) for i, m in enumerate(metrics)]
+    missing = w.missing_evidence
+    judged = [_judge(w, i, m, t, missing) for i, m in enumerate(metrics)]
+    # The packing estimates of every layer that needs them, in one batch.
+    wanted = np.array([d.layer for d, idle in judged if not idle and _wants_packing(d)], dtype=np.int64)
+    pred = predict(w, metrics, t, wanted)
+    layers = [d if idle else _with_actions(w, d, t, pred) for d, idle in judged]
     identity = {"schema": "moewatch.diagnosis/v1", "runtime": w.runtime, "model": w.model,
                 "ep_group": w.ep_group, "epoch": w.epoch, "world_size": w.world_size,
                 "num_layers": w.num_layers, "num_experts": w.num_experts, "num_slots": w.num_slots,
@@ -372,23 +591,32 @@ def diagnose(w: Window, t: Thresholds | None = None) -> WindowDiagnosis:
 
 
 def summarise(w: Window, layers: list[LayerDiagnosis], t: Thresholds) -> dict[str, Any]:
-    """Worst layers first, the slowest rank, experts hot in many layers, verdict counts."""
+    """Worst layers first, the slowest rank, experts hot in many layers, verdict counts, and the
+    evidence the window lacked (`missing` kinds, `absent_fields`)."""
     ranked = sorted(layers, key=_severity_key)
-    compute_by_rank = w.compute_seconds.sum(axis=0)
-    slowest = int(np.argmax(compute_by_rank))
-    total = float(compute_by_rank.sum())
+    slowest: dict[str, Any] = {"rank": None, "compute_share": None, "compute_seconds": None}
+    if w.compute_seconds is not None:
+        compute_by_rank = w.compute_seconds.sum(axis=0)
+        rank = int(np.argmax(compute_by_rank))
+        total = float(compute_by_rank.sum())
+        slowest = {"rank": rank,
+                   "compute_share": _finite(float(compute_by_rank[rank]) / total) if total > 0 else None,
+                   "compute_seconds": _finite(float(compute_by_rank[rank]))}
     hot_counts = Counter(e for d in layers for e in d.metrics["hot_experts"])
+    balanced = tm.balancedness(w)
     steps = w.step_seconds
+    timed = steps is not None and len(steps) > 0
     return {
         "verdicts": {v: sum(d.verdict == v for d in layers) for v in VERDICTS},
         "overflow_layers": [d.layer for d in layers if d.overflow],
         "worst_layers": [d.layer for d in ranked if d.verdict != HEALTHY or d.overflow][:10],
-        "slowest_rank": {"rank": slowest,
-                         "compute_share": _finite(float(compute_by_rank[slowest]) / total) if total > 0 else None,
-                         "compute_seconds": _finite(float(compute_by_rank[slowest]))},
+        "slowest_rank": slowest,
         "hot_experts_across_layers": [{"expert": int(e), "layers": n} for e, n in hot_counts.most_common(10)],
-        "balancedness_mean": _finite(float(np.mean(tm.balancedness(w)))),
-        "step_p50_seconds": _finite(float(np.percentile(steps, 50))) if len(steps) else None,
-        "step_p99_seconds": _finite(float(np.percentile(steps, 99))) if len(steps) else None,
-        "tokens_per_second": _finite(float(w.step_tokens.sum() / steps.sum())) if steps.sum() > 0 else None,
+        "balancedness_mean": None if balanced is None else _finite(float(np.mean(balanced))),
+        "step_p50_seconds": _finite(float(np.percentile(steps, 50))) if timed else None,
+        "step_p99_seconds": _finite(float(np.percentile(steps, 99))) if timed else None,
+        "tokens_per_second": (_finite(float(w.step_tokens.sum() / steps.sum()))
+                              if timed and w.step_tokens is not None and steps.sum() > 0 else None),
+        "missing": w.missing_evidence,
+        "absent_fields": w.absent_fields,
     }

@@ -29,6 +29,8 @@ def drive(daemon, helpers, n_windows=3):
     rt.send(wire.Heartbeat(time=1.0, epoch=0, step=1, frames_dropped=1))
     rt.send_raw(b"MW\x01\x05\x02\x00\x00\x00{]")
     assert helpers.wait_for(lambda: len(group.history) == len(names))
+    # The malformed frame is counted by the receiver on its own thread: wait for it too.
+    assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_frames_rejected_total", ("malformed",)) == 1)
     return rt
 
 

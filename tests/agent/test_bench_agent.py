@@ -1,0 +1,35 @@
+"""`moewatch bench agent --json`: the contract's keys from a real agent process fed over its socket
+(a small size and a short run here; the figures themselves go into notes, never into assertions)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moewatch.agent.bench import CONTRACT_KEYS
+
+
+@pytest.mark.slow
+def test_bench_agent_prints_the_contract_keys():
+    out = subprocess.run([sys.executable, "-m", "moewatch.cli", "bench", "agent", "--layers", "3", "--experts", "8",
+                          "--slots", "8", "--ranks", "2", "--top-k", "2", "--rate", "5", "--seconds", "1",
+                          "--scrape-interval", "0.2", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)  # --json: machine output only, progress on stderr
+    assert set(CONTRACT_KEYS) <= set(result)
+    assert "bench agent:" in out.stderr
+    assert result["windows_sent"] == 10 and result["windows_processed"] == 10 and result["windows_lagging"] == 0
+    assert result["cpu_per_window_s"] > 0 and 0 < result["cpu_share"] and result["rss_mb"] > 10
+    assert result["scrape_ms_p50"] > 0 and result["triage_ms"] > 0 and result["scrapes"] >= 1
+    assert result["config"] == {"layers": 3, "experts": 8, "slots": 8, "ranks": 2, "top_k": 2, "rate": 5.0,
+                                "seconds": 1.0, "mode": "observe"}
+
+
+def test_bench_agent_rejects_impossible_sizes_with_exit_2():
+    out = subprocess.run([sys.executable, "-m", "moewatch.cli", "bench", "agent", "--experts", "8", "--slots", "6",
+                          "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "" and "--slots 6" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
