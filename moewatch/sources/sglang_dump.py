@@ -39,6 +39,9 @@ RUNTIME = "sglang"
 DUMP_NAME = re.compile(r"^expert_distribution_recorder_(\d+(?:\.\d+)?)(?:_(\d+))?\.pt$")
 # Ranks dump on the same request within moments; files further apart belong to different dumps.
 SET_GAP_SECONDS = 10.0
+# Identity fields a dump does not record: the window holds placeholders (top_k 1, hidden_bytes 0,
+# one node) that the triage does not use without timings; the list says so.
+NOT_IN_DUMP = ["top_k", "hidden_bytes", "ranks_per_node"]
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ def stat_window(dump: Dump, *, model: str = "sglang", ep_group: str = "ep0", wor
                    num_experts=E, num_slots=pmap.shape[1], top_k=min(top_k, E), steps=int(used.sum()),
                    start_time=dump.time if start_time is None else min(start_time, dump.time), end_time=dump.time,
                    physical_to_logical_map=pmap, expert_tokens=counts.sum(axis=0),
-                   extra={"source": {"kind": "sglang-stat-dump", "file": dump.path.name,
+                   extra={"source": {"kind": "sglang-stat-dump", "file": dump.path.name, "not_in_dump": NOT_IN_DUMP,
                                      "buffer_rows": int(counts.shape[0]), "rows_used": int(used.sum()),
                                      # A full buffer may have wrapped: older passes were overwritten.
                                      "buffer_full": bool(used.all()),
@@ -204,7 +207,7 @@ def per_pass_window(dumps: Iterable[Dump], *, model: str = "sglang", ep_group: s
                    num_slots=P, top_k=min(top_k, E), steps=steps,
                    start_time=end if start_time is None else min(start_time, end), end_time=end,
                    physical_to_logical_map=pmap, expert_tokens=expert, slot_tokens=slots,
-                   extra={"source": {"kind": "sglang-per-pass-dump",
+                   extra={"source": {"kind": "sglang-per-pass-dump", "not_in_dump": NOT_IN_DUMP,
                                      "files": [d.path.name for d in dumps]}})
 
 
@@ -245,7 +248,8 @@ def load_source(source: str | Path, **identity: Any) -> Window:
     if path.is_dir():
         sets = dump_sets(sorted(path.iterdir()))
         if not sets:
-            raise SourceError(str(path), "no SGLang dump (expert_distribution_recorder_*.pt) in this folder")
+            raise SourceError(str(path), "is a folder without SGLang dumps (expert_distribution_recorder_*.pt); "
+                                         "expected a window file, a dump or a folder of dumps")
         return window_from_paths(sets[-1], **identity)
     dump = read_dump(path)
     if dump.kind == "per_pass":
