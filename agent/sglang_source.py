@@ -48,8 +48,9 @@ class SGLangSource:
                 return
             if sample is not None:
                 self.rank_load = sample
-                log.info("sglang heatmap: balancedness per layer %s%s",
-                         [round(float(b), 3) for b in sample.balancedness], " (server restarted)" if sample.reset else "")
+                balanced = [round(float(b), 3) for b in sample.balancedness]
+                log.info("sglang heatmap: balancedness per layer %s%s", balanced,
+                         " (server restarted)" if sample.reset else "")
 
     def status(self) -> dict[str, Any]:
         return {"dump_dir": None if self.watcher is None else str(self.watcher.folder),

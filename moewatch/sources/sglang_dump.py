@@ -74,7 +74,8 @@ def read_dump(path: str | Path) -> Dump:
     try:
         import torch  # only here: SGLang writes its dumps with torch.save
     except ImportError:
-        raise SourceError(str(path), "reading SGLang's .pt dumps needs torch (pip install 'moewatch[runtime]')") from None
+        raise SourceError(str(path), "reading SGLang's .pt dumps needs torch "
+                                     "(pip install 'moewatch[runtime]')") from None
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated, not a torch file, or unsafe to unpickle: torch raises many types

@@ -29,8 +29,10 @@ def sglang_reads(location, num_layers, num_experts, num_slots, ep_size, monkeypa
     monkeypatch.setattr(expert_location.ModelConfigForExpertLocation, "from_model_config", staticmethod(
         lambda model_config: expert_location.ModelConfigForExpertLocation(num_layers=num_layers,
                                                                           num_logical_experts=num_experts)))
-    with runtime_context._CONTEXT.override_server_args(init_expert_location=str(location), tp_size=ep_size,
-                                                       ep_size=ep_size, ep_num_redundant_experts=num_slots - num_experts):
+    override = runtime_context._CONTEXT.override_server_args(
+        init_expert_location=str(location), tp_size=ep_size, ep_size=ep_size,
+        ep_num_redundant_experts=num_slots - num_experts)
+    with override:
         meta = expert_location.compute_initial_expert_location_metadata(None, moe_ep_rank=0)
     return meta.physical_to_logical_map.numpy(), meta.ep_size
 
@@ -64,7 +66,8 @@ def test_plan_becomes_a_file_sglang_loads_and_the_command_runs_once(start_agent,
     # SGLang's loader reads back exactly the map the agent decided.
     pmap, ep_size = sglang_reads(location, L, E, P, W, monkeypatch)
     assert np.array_equal(pmap, np.array(written["physical_to_logical_map"])) and ep_size == W
-    decision = next(r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "decision" and r["result"] == "proposed")
+    decision = next(r for r in read_audit(daemon.cfg.audit_log)
+                    if r["event"] == "decision" and r["result"] == "proposed")
     assert decision["after"]["predicted_stall_seconds"] >= 0.5
 
 

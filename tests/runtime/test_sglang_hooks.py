@@ -136,7 +136,8 @@ def test_bad_config_names_the_key(config, key):
 
 def test_documented_snippet_is_valid_json():
     doc = sglang_hooks.__doc__
-    snippet = doc[doc.index("--forward-hooks '") + len("--forward-hooks '"):doc.index("'", doc.index("--forward-hooks '") + 17)]
+    start = doc.index("--forward-hooks '") + len("--forward-hooks '")
+    snippet = doc[start:doc.index("'", start)]
     parsed = json.loads(snippet)
     assert parsed[0]["hook_factory"] == "moewatch.runtime.engines.sglang_hooks:topk_counter"
     sglang_hooks.HookConfig.from_mapping(parsed[0]["config"])
