@@ -70,3 +70,32 @@ def test_metrics_url_is_validated(url):
 
     with pytest.raises(ConfigError, match="^sglang_metrics_url: "):
         build_config(flags={"sglang_metrics_url": url}, environ={})
+
+
+@pytest.mark.slow
+def test_hook_windows_reach_the_agent_over_its_socket(agent_dir, monkeypatch):
+    import torch
+    from moewatch.runtime.engines.sglang_hooks import topk_counter
+
+    flags = {"socket": str(agent_dir / "a.sock"), "listen": "127.0.0.1:0", "audit_log": str(agent_dir / "audit.jsonl"),
+             "triage_interval_seconds": 0.05, "plan_interval_seconds": 3600, "export_interval_seconds": 0.2}
+    daemon = Daemon(build_config(flags=flags, environ={})).start()
+    monkeypatch.setenv("MOEWATCH_SOCKET", str(agent_dir / "a.sock"))
+    monkeypatch.delenv("MOEWATCH_WINDOW_DIR", raising=False)
+    counter = topk_counter({"num_layers": 2, "num_experts": 4, "num_slots": 6, "ep_size": 2, "model": "tiny",
+                            "window_seconds": 3600, "physical_to_logical_map": PMAP.tolist()})
+    try:
+        gate = torch.nn.Module()
+        for layer in (0, 1):
+            gate.layer_id = layer
+            ids = torch.tensor([[0, 4], [0, 5], [2, 3]])
+            counter(gate, (), type("Out", (), {"topk_ids": ids})())
+        window = counter.flush()
+        assert wait_for(lambda: daemon.store.get(("tiny", "ep0")) is not None
+                        and len(daemon.store.get(("tiny", "ep0")).history) == 1)
+        got = daemon.store.get(("tiny", "ep0")).latest().window
+        assert got.runtime == "sglang" and np.array_equal(got.slot_tokens, window.slot_tokens)
+        assert got.slot_tokens[0].tolist() == [2, 0, 1, 1, 1, 1]
+    finally:
+        counter.close()
+        daemon.stop()
