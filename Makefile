@@ -8,6 +8,18 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.moewatch-installed
 # Pinned before the package: an unpinned torch pulls a multi-GB CUDA build (REFERENCE.md).
 TORCH_PIN ?= torch==2.13.0
+# SGLang's own Python code (tests write real dumps and parse placement files with it; SGLang itself
+# does not run on this CPU). Its wheel pins a CUDA torch, so it goes in without its dependencies,
+# followed by what its eplb and top-k modules import. PyPI's torchvision builds for torch 2.13/2.14
+# link CUDA libraries and fail to register their operators on a CPU torch; 0.16.2 is the newest whose
+# operator registrations are skipped when its extension does not load, which is all SGLang needs
+# (it imports torchvision.transforms and never calls an operator on these paths).
+SGLANG_PIN ?= sglang==0.5.23
+SGLANG_TORCHVISION ?= torchvision==0.16.2
+SGLANG_DEPS ?= orjson==3.13.0 ipython==9.18.1 gguf==0.19.0 pybase64==1.5.1 starlette==1.10.0 \
+	msgspec==0.23.0 pydantic==2.14.4 pyzmq==27.3.0 aiohttp==3.14.5 einops==0.8.2 transformers==5.24.0 \
+	dill==0.4.1 apache-tvm-ffi==0.1.15.post2 sentencepiece==0.2.3 compressed-tensors==0.20.1
+SGLANG_MODULES := sglang.srt.eplb.expert_location,sglang.srt.eplb.expert_distribution,sglang.srt.layers.moe.topk
 
 .PHONY: install system-deps demo test bench clean
 
@@ -18,6 +30,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet -e ".[runtime,dev]"
+	$(PY) -m pip install --quiet --no-deps "$(SGLANG_PIN)" "$(SGLANG_TORCHVISION)"
+	$(PY) -m pip install --quiet "$(TORCH_PIN)" $(SGLANG_DEPS)
+	$(PY) -W ignore -c "import importlib; [importlib.import_module(m) for m in '$(SGLANG_MODULES)'.split(',')]"
 	touch $@
 
 # promtool and prometheus run in the alert-rule and scrape tests.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -150,6 +151,19 @@ class AgentConfig:
     sglang_command: str = _f("", "command run after writing the file (e.g. a rolling restart); empty: none")
     sglang_command_timeout_seconds: float = _f(600.0, "the sglang command is stopped after this long",
                                                kind=float, lo=1, hi=86_400)
+    sglang_apply_seconds: float = _f(1.8, "what applying a placement costs SGLang, in seconds of stalled serving "
+                                          "(about 1.8 s for its rebalance; a restart's time when sglang_command "
+                                          "restarts it): the cost gate weighs every plan against it",
+                                     kind=float, lo=0, hi=86_400)
+    # --- SGLang as a window source (observe and recommend without a probe in SGLang)
+    sglang_dump_dir: str = _f("", "SGLang's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR: each new expert-distribution "
+                                  "dump becomes one window (empty: not watched)")
+    sglang_metrics_url: str = _f("", "SGLang's /metrics URL: sglang:eplb_gpu_physical_count is scraped into per-rank "
+                                     "load per layer (empty: not scraped)")
+    sglang_poll_seconds: float = _f(15.0, "how often the SGLang dump folder is checked and /metrics scraped",
+                                    kind=float, lo=0.1, hi=86_400)
+    sglang_model: str = _f("sglang", "model name of the windows read from SGLang (a metric label)")
+    sglang_ep_group: str = _f("ep0", "EP group name of the windows read from SGLang (a metric label)")
     # --- files and logs
     audit_log: str = _f(default_audit_path, "append-only JSONL of every decision",
                         default_text="$STATE_DIRECTORY/audit.jsonl, else /var/lib/moewatch/audit.jsonl")
@@ -180,6 +194,10 @@ class AgentConfig:
             raise ConfigError("basic_auth_user: give both basic_auth_user and basic_auth_password_file, or neither")
         if self.actuator == "sglang" and not self.sglang_location_file:
             raise ConfigError("sglang_location_file: required when actuator is sglang")
+        if self.sglang_metrics_url:
+            parsed = urllib.parse.urlsplit(self.sglang_metrics_url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ConfigError(f"sglang_metrics_url: expected http://HOST:PORT/metrics, got {self.sglang_metrics_url!r}")
 
     @property
     def socket_mode_bits(self) -> int:

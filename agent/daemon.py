@@ -105,6 +105,7 @@ class Daemon:
         self._acks: queue.Queue = queue.Queue(maxsize=1024)
         self._ack_thread: threading.Thread | None = None
         self.started_at: float | None = None
+        self.sglang = None  # SGLangSource when a dump folder or /metrics URL is configured
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -163,6 +164,11 @@ class Daemon:
         self.jobs.add("triage", self.triage_job, cfg.triage_interval_seconds)
         self.jobs.add("plan", self.plan_job, cfg.plan_interval_seconds)
         self.jobs.add("export", self.export_job, cfg.export_interval_seconds)
+        if cfg.sglang_dump_dir or cfg.sglang_metrics_url:
+            from .sglang_source import SGLangSource
+
+            self.sglang = SGLangSource(cfg, self.ingest_window)
+            self.jobs.add("sglang_source", self.sglang.poll, cfg.sglang_poll_seconds, first_run_in=0)
         if self.notifier.watchdog_seconds:
             self.jobs.add("watchdog", self.watchdog_job, self.notifier.watchdog_seconds / 2, first_run_in=0)
         init_jobs(self.metrics, [job.id for job in self.jobs.scheduler.get_jobs()])
@@ -313,6 +319,29 @@ class Daemon:
                  hello.num_slots, hello.epoch)
         return None
 
+    def ingest_window(self, window: Window) -> str | None:
+        """A window from a polled source (no connection): its group is created, or re-sized, from the
+        window itself, then it passes the same gate as a runtime's. Returns the rejection reason."""
+        key = (window.model, window.ep_group)
+        group = self.store.get_or_create(key)
+        if group is None:
+            reason = "too_many_groups"
+        else:
+            hello = group.hello
+            sizes = (window.world_size, window.num_layers, window.num_experts, window.num_slots)
+            if hello is None or (hello.world_size, hello.num_layers, hello.num_experts, hello.num_slots) != sizes:
+                init_group(self.metrics, key)
+                hello = Hello(runtime=window.runtime, model=key[0], ep_group=key[1], world_size=sizes[0],
+                              num_layers=sizes[1], num_experts=sizes[2], num_slots=sizes[3], epoch=window.epoch,
+                              ranks_per_node=window.ranks_per_node)
+                new_lineage = group.on_hello(hello, connection_id=0)
+                if new_lineage:
+                    self.controller.abandon(group, "the source restarted with other sizes")
+            reason = group.accept_window(window)
+        if reason is not None:
+            self._on_reject(None, reason, f"{window.runtime} window of {key[0]}/{key[1]}")
+        return reason
+
     def _on_reject(self, conn: Connection | None, reason: str, detail: str, count: bool = True) -> None:
         if count:
             self.metrics.inc("moewatch_frames_rejected_total", (reason,))
@@ -434,7 +463,7 @@ class Daemon:
                           "started_at": self.started_at, "audit_log": self.cfg.audit_log,
                           "frames_rejected": dict(self._series("moewatch_frames_rejected_total")),
                           "frames_received": dict(self._series("moewatch_frames_received_total"))},
-                "groups": groups}
+                "groups": groups, "sglang": None if self.sglang is None else self.sglang.status()}
 
     def _series(self, name: str) -> list[tuple[str, float]]:
         return [(labels[0], value) for labels, value in self.metrics.series(name)]

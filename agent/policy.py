@@ -383,6 +383,9 @@ def placement_proposals(view: GroupView, cfg, evidence: Sequence[TriagedWindow],
                                                cfg.inter_node_bandwidth_bytes_per_second)
         if view.observed_stall_per_slot is not None:
             stall = max(stall, view.observed_stall_per_slot * int(moved[layer]))
+        if getattr(cfg, "actuator", "runtime") == "sglang":
+            # SGLang takes a placement only by a restart or its own rebalance: the whole cost, for any move.
+            stall = max(stall, cfg.sglang_apply_seconds)
         hot = latest.diagnosis.layers[layer].metrics["hot_experts"]
         verdict = _label(*verdicts[layer])
         before = {"verdict": verdict, "balancedness": _measured(evidence, layer, "balancedness"),

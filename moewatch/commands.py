@@ -27,8 +27,8 @@ def load_window(source: str) -> Window:
     path = Path(source)
     if not path.exists():
         fail_input(f"{source}: no such file")
-    if path.is_dir():
-        fail_input(f"{source}: is a folder, expected a window file")
+    if path.is_dir() or path.suffix.lower() == ".pt":
+        return _load_sglang_dump(path)
     try:
         blob = path.read_bytes()
     except OSError as exc:
@@ -41,6 +41,18 @@ def load_window(source: str) -> Window:
         return Window.from_json(blob)
     except WindowError as exc:
         fail_input(f"{source}: invalid window: {exc}")
+    raise AssertionError("unreachable")
+
+
+def _load_sglang_dump(path: Path) -> Window:
+    """SGLang's expert-distribution dump: a stat .pt, or a folder of dumps (its newest set)."""
+    from .sources import SourceError
+    from .sources.sglang_dump import load_source
+
+    try:
+        return load_source(path)
+    except SourceError as exc:
+        fail_input(f"invalid SGLang dump: {exc}")
     raise AssertionError("unreachable")
 
 
@@ -121,7 +133,8 @@ def _parse_fail_on(value: str | None) -> set[str]:
 @thresholds_options
 def diagnose(source: str, as_json: bool, fail_on: str | None, config_path: str | None, explain: bool,
              **threshold_flags) -> None:
-    """Triage SOURCE (a window file, JSON or binary) layer by layer, in the documented order."""
+    """Triage SOURCE (a window file, JSON or binary; an SGLang expert-distribution dump .pt or a folder
+    of per-rank dumps) layer by layer, in the documented order."""
     verdicts_failing = _parse_fail_on(fail_on)
     try:
         thresholds = thresholds_from_cli(config_path, **threshold_flags)

@@ -1,0 +1,101 @@
+"""The agent watching SGLang's dump folder: each dump SGLang's own recorder writes becomes one
+triaged window of its group, once; /status shows the source."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moewatch.agent.config import build_config
+from moewatch.agent.daemon import Daemon
+
+PMAP = np.array([[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 2, 3]])
+
+
+@pytest.fixture
+def agent_dir():
+    path = Path(tempfile.mkdtemp(prefix="mws-", dir="/tmp"))  # short: unix socket paths are limited
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for(predicate, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.slow
+def test_agent_ingests_each_sglang_dump_once(sglang_recorder, agent_dir, monkeypatch):
+    dumps = agent_dir / "dumps"
+    dumps.mkdir()
+    flags = {"socket": str(agent_dir / "a.sock"), "listen": "127.0.0.1:0", "audit_log": str(agent_dir / "audit.jsonl"),
+             "triage_interval_seconds": 0.05, "plan_interval_seconds": 3600, "export_interval_seconds": 0.2,
+             "sglang_dump_dir": str(dumps), "sglang_poll_seconds": 0.1, "sglang_model": "dsv3",
+             "sglang_ep_group": "pod-a"}
+    daemon = Daemon(build_config(flags=flags, environ={})).start()
+    try:
+        meta = sglang_recorder.metadata(PMAP, ep_size=2)
+        hot = np.full(PMAP.shape, 10)
+        hot[:, 0] = 400
+        sglang_recorder.dump(dumps, monkeypatch, "stat", meta, 0, [(0, hot), (1, hot)], buffer_size=8)
+        assert wait_for(lambda: daemon.store.get(("dsv3", "pod-a")) is not None
+                        and len(daemon.store.get(("dsv3", "pod-a")).history) == 1)
+        group = daemon.store.get(("dsv3", "pod-a"))
+        latest = group.latest()
+        assert latest.window.runtime == "sglang" and latest.window.steps == 2
+        assert [d.verdict for d in latest.diagnosis.layers] == ["imbalance-bound"] * 2
+        time.sleep(0.5)  # several more polls: the same dump is not ingested again
+        assert group.windows_accepted == 1
+        status = json.loads(urllib.request.urlopen(daemon.http_url + "/status", timeout=5).read())
+        assert status["sglang"]["dump_windows"] == 1 and status["sglang"]["dump_errors"] == 0
+        assert status["groups"][0]["runtime"] == "sglang"
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.parametrize("url", ["ftp://host/metrics", "localhost:30000/metrics", "http:///metrics"])
+def test_metrics_url_is_validated(url):
+    from moewatch.thresholds import ConfigError
+
+    with pytest.raises(ConfigError, match="^sglang_metrics_url: "):
+        build_config(flags={"sglang_metrics_url": url}, environ={})
+
+
+@pytest.mark.slow
+def test_hook_windows_reach_the_agent_over_its_socket(agent_dir, monkeypatch):
+    import torch
+    from moewatch.runtime.engines.sglang_hooks import topk_counter
+
+    flags = {"socket": str(agent_dir / "a.sock"), "listen": "127.0.0.1:0", "audit_log": str(agent_dir / "audit.jsonl"),
+             "triage_interval_seconds": 0.05, "plan_interval_seconds": 3600, "export_interval_seconds": 0.2}
+    daemon = Daemon(build_config(flags=flags, environ={})).start()
+    monkeypatch.setenv("MOEWATCH_SOCKET", str(agent_dir / "a.sock"))
+    monkeypatch.delenv("MOEWATCH_WINDOW_DIR", raising=False)
+    counter = topk_counter({"num_layers": 2, "num_experts": 4, "num_slots": 6, "ep_size": 2, "model": "tiny",
+                            "window_seconds": 3600, "physical_to_logical_map": PMAP.tolist()})
+    try:
+        gate = torch.nn.Module()
+        for layer in (0, 1):
+            gate.layer_id = layer
+            ids = torch.tensor([[0, 4], [0, 5], [2, 3]])
+            counter(gate, (), type("Out", (), {"topk_ids": ids})())
+        window = counter.flush()
+        assert wait_for(lambda: daemon.store.get(("tiny", "ep0")) is not None
+                        and len(daemon.store.get(("tiny", "ep0")).history) == 1)
+        got = daemon.store.get(("tiny", "ep0")).latest().window
+        assert got.runtime == "sglang" and np.array_equal(got.slot_tokens, window.slot_tokens)
+        assert got.slot_tokens[0].tolist() == [2, 0, 1, 1, 1, 1]
+    finally:
+        counter.close()
+        daemon.stop()
