@@ -49,8 +49,6 @@ class EngineSettings:
     ep_group: str = "ep0"
 
     def __post_init__(self) -> None:
-        if self.socket is None and self.window_dir is None:
-            raise ValueError(f"{ENV_SOCKET}: give the agent's socket or {ENV_WINDOW_DIR}, or both")
         if self.window_steps is None and self.window_seconds is None:
             raise ValueError(f"{ENV_WINDOW_STEPS}: give a window length in steps or {ENV_WINDOW_SECONDS}")
         if self.window_steps is not None and self.window_steps < 1:
@@ -230,7 +228,7 @@ class EngineRecorder:
 
     def __init__(self, settings: EngineSettings, *, runtime: str, model: str, top_k: int, hidden_bytes: int,
                  num_experts: int, weights: PairWeights, world_size: int = 1, time_steps: bool = False,
-                 sinks: Callable[[Window], object] | None = None):
+                 sinks: Sequence[Callable[[Window], object]] = ()):
         self.settings = settings
         self.runtime, self.model, self.top_k, self.hidden_bytes = runtime, model, top_k, hidden_bytes
         self.num_experts, self.world_size = num_experts, world_size
@@ -240,7 +238,9 @@ class EngineRecorder:
         self.layer_seconds: dict[int, float] | None = None  # set by an adapter that times layers
         self.slot_map: Callable[[], np.ndarray] | None = None  # [L, P] map in force, when slots are counted
         self._identity: dict = {}
-        self.sinks = sinks if sinks is not None else WindowSinks(settings, hello=lambda: hello_for(self._identity, runtime))
+        self.extra_sinks = list(sinks)
+        self.sinks = (WindowSinks(settings, hello=lambda: hello_for(self._identity, runtime))
+                      if settings.socket or settings.window_dir else None)
         self.windows_built = 0
         self.last_error = ""
         self._reset()
@@ -306,11 +306,13 @@ class EngineRecorder:
         self._identity = {name: getattr(window, name) for name in
                           ("model", "ep_group", "world_size", "num_layers", "num_experts", "num_slots")}
         self.windows_built += 1
-        self.sinks(window)
+        if self.sinks is not None:
+            self.sinks(window)
+        for sink in self.extra_sinks:
+            sink(window)
         return window
 
     def close(self) -> None:
         self.flush()
-        close = getattr(self.sinks, "close", None)
-        if close is not None:
-            close()
+        if self.sinks is not None:
+            self.sinks.close()

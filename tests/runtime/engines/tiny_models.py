@@ -19,7 +19,7 @@ ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                          decoder_sparse_step=1, mlp_only_layers=[], head_dim=16), "softmax"),
     "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2), "softmax"),
-    "deepseek_v3": ("DeepseekV3Config", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+    "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                                              first_k_dense_replace=1, moe_intermediate_size=32, n_shared_experts=1,
                                              kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
                                              qk_nope_head_dim=8, v_head_dim=16), "grouped"),
@@ -31,7 +31,7 @@ AVAILABLE = [arch for arch, (cls, _, _) in ARCHS.items() if hasattr(transformers
 
 def build(arch: str, seed: int = 0) -> torch.nn.Module:
     cls_name, extra, _ = ARCHS[arch]
-    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # routers start at zero weights in some classes: give them real choices

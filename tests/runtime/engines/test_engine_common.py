@@ -1,0 +1,99 @@
+"""The pieces every engine adapter shares: settings from the environment, graph-safe counters, the
+window built from logical counts, the folder sink."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moewatch.runtime.engines import common
+from moewatch.telemetry import Window
+
+
+def test_settings_are_inactive_without_a_destination_and_name_the_bad_variable():
+    assert common.EngineSettings.from_env({}) is None
+    assert common.EngineSettings.from_env({"MOEWATCH_WINDOW_STEPS": "5"}) is None
+    s = common.EngineSettings.from_env({"MOEWATCH_WINDOW_DIR": "/tmp/x"})
+    assert (s.window_dir, s.socket, s.window_steps, s.window_seconds) == ("/tmp/x", None, 50, None)
+    s = common.EngineSettings.from_env({"MOEWATCH_SOCKET": "/run/a.sock", "MOEWATCH_WINDOW_SECONDS": "2.5"})
+    assert (s.window_steps, s.window_seconds) == (None, 2.5)
+    for env, name in [({"MOEWATCH_WINDOW_DIR": "d", "MOEWATCH_WINDOW_STEPS": "ten"}, "MOEWATCH_WINDOW_STEPS"),
+                      ({"MOEWATCH_WINDOW_DIR": "d", "MOEWATCH_WINDOW_STEPS": "0"}, "MOEWATCH_WINDOW_STEPS"),
+                      ({"MOEWATCH_WINDOW_DIR": "d", "MOEWATCH_WINDOW_SECONDS": "-1"}, "MOEWATCH_WINDOW_SECONDS"),
+                      ({"MOEWATCH_WINDOW_DIR": "d", "MOEWATCH_WINDOW_SECONDS": "x"}, "MOEWATCH_WINDOW_SECONDS")]:
+        with pytest.raises(ValueError, match=name):
+            common.EngineSettings.from_env(env)
+
+
+def test_counter_counts_only_armed_tokens_and_allocates_nothing_per_step():
+    weights = common.PairWeights(max_tokens=8, top_k=2, device="cpu")
+    counter = common.PairCounter(4, weights.tensor)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 3], [2, 0]], dtype=torch.int32)  # 4 tokens, the last 2 padding
+    counter.add(ids)  # not armed: warm-up / dummy run
+    assert counter.counts.tolist() == [0, 0, 0, 0]
+    weights.arm(2)
+    storage = counter.counts.data_ptr()
+    counter.add(ids)
+    weights.disarm()
+    counter.add(ids)
+    assert counter.counts.data_ptr() == storage
+    assert counter.counts.tolist() == [1, 2, 1, 0]
+    assert weights.tensor.sum().item() == 0
+    counts, slots = counter.take()
+    assert counts.tolist() == [1, 2, 1, 0] and slots is None and counter.counts.sum().item() == 0
+
+
+def test_counter_survives_torch_compile():
+    weights = common.PairWeights(max_tokens=16, top_k=2, device="cpu")
+    counter = common.PairCounter(4, weights.tensor)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def route(x):
+        ids = torch.topk(x, 2, dim=-1).indices
+        counter.add(ids)
+        return ids
+
+    x = torch.tensor([[0.0, 1, 2, 3], [3, 2, 1, 0], [0, 3, 1, 2]])
+    route(x)  # compile warm-up: not armed, counts nothing
+    weights.arm(3)
+    route(x)
+    weights.disarm()
+    assert counter.counts.tolist() == [1, 2, 1, 2]  # top-2 of each row: {3, 2}, {0, 1}, {1, 3}
+
+
+def test_logical_window_marks_what_was_not_measured_as_absent(tmp_path):
+    window = common.logical_window(runtime="vllm", model="m", ep_group="ep0", top_k=2, hidden_bytes=512,
+                                   expert_tokens=np.array([[3, 1, 0, 2], [1, 1, 2, 2]]), steps=2,
+                                   start_time=10.0, end_time=11.0, step_tokens=[2, 1])
+    assert window.num_slots == 4 and window.physical_to_logical_map.tolist() == [[0, 1, 2, 3]] * 2
+    for name in ("slot_tokens", "local_tokens", "sent_tokens", "received_tokens", "traffic",
+                 "dispatch_seconds", "combine_seconds", "compute_seconds", "layer_seconds", "step_seconds"):
+        assert getattr(window, name) is None, name
+    sink = common.DirSink(tmp_path / "w")
+    sink(window)
+    sink(window)
+    files = sorted((tmp_path / "w").iterdir())
+    assert len(files) == 2 and all(f.suffix == ".json" for f in files)
+    back = Window.from_json(files[0].read_text())
+    np.testing.assert_array_equal(back.expert_tokens, window.expert_tokens)
+    assert back.layer_seconds is None and back.runtime == "vllm"
+
+
+def test_recorder_flushes_by_steps_and_at_close():
+    settings = common.EngineSettings(window_steps=2)
+    weights = common.PairWeights(4, 1, "cpu")
+    seen = []
+    rec = common.EngineRecorder(settings, runtime="vllm", model="m", top_k=1, hidden_bytes=4, num_experts=3,
+                                weights=weights, sinks=[seen.append])
+    counter = rec.counter(5)
+    for tokens, ids in [(2, [0, 1]), (1, [2]), (2, [2, 2])]:
+        rec.begin_step(tokens)
+        counter.add(torch.tensor(ids)[:, None])
+        rec.end_step()
+    assert len(seen) == 1 and seen[0].expert_tokens.tolist() == [[1, 1, 1]]
+    rec.close()
+    assert len(seen) == 2 and seen[1].expert_tokens.tolist() == [[0, 0, 2]] and seen[1].steps == 1
+    assert seen[1].extra["layer_ids"] == [5]
+    rec.close()  # nothing pending: no empty window
+    assert len(seen) == 2
