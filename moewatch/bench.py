@@ -13,6 +13,7 @@ from .cli import LazyGroup
 SUBCOMMANDS = {
     "planner": ("moewatch.planner.bench:planner", "Placement quality and speed against DeepSeek's EPLB."),
     "probe": ("moewatch.runtime.bench:probe", "The probe's overhead on the forward step (on over off)."),
+    "vllm": ("moewatch.runtime.engines.bench:vllm", "The vLLM plugin's cost: tokens/s active over inactive."),
 }
 
 
