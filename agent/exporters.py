@@ -145,7 +145,9 @@ class GroupExportMemory:
 
 def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, diagnosis: WindowDiagnosis,
                   expert_metrics: bool) -> None:
-    """Write one accepted, triaged window into the state (the only place a window's series are set)."""
+    """Write one accepted, triaged window into the state (the only place a window's series are set).
+    A quantity the window lacks the evidence for has no series (a previous window's is removed), and
+    moewatch_layer_evidence_missing says which evidence was missing."""
     group = (w.model, w.ep_group)
     steps = max(w.steps, 1)
     rank_load = tm.rank_load(w)
@@ -178,13 +180,21 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
                 state.remove(metric, layer)
             else:
                 state.set(metric, layer, value)
-        # None in the diagnosis means +Inf here (a rank that computed nothing).
-        state.set("moewatch_layer_rank_load_max_min_ratio", layer, float(max_min[d.layer]))
+        for kind in tm.EVIDENCE:
+            state.set("moewatch_layer_evidence_missing", (*layer, kind), 1.0 if kind in d.missing else 0.0)
+        if max_min is None:
+            state.remove("moewatch_layer_rank_load_max_min_ratio", layer)
+        else:
+            # None in the diagnosis means +Inf here (a rank that computed nothing).
+            state.set("moewatch_layer_rank_load_max_min_ratio", layer, float(max_min[d.layer]))
         # The group's all-to-all per step: the slowest rank's (a collective ends when its last rank does).
-        state.observe("moewatch_layer_a2a_step_seconds", layer, [m["a2a_seconds_per_step"]])
+        if m["a2a_seconds_per_step"] is not None:
+            state.observe("moewatch_layer_a2a_step_seconds", layer, [m["a2a_seconds_per_step"]])
         state.inc("moewatch_layer_routed_pairs_total", layer, m["routed_pairs"])
-        state.inc("moewatch_layer_dropped_pairs_total", layer, m["dropped_pairs"])
-        state.inc("moewatch_layer_rerouted_pairs_total", layer, m["rerouted_pairs"])
+        if m["dropped_pairs"] is not None:
+            state.inc("moewatch_layer_dropped_pairs_total", layer, m["dropped_pairs"])
+        if m["rerouted_pairs"] is not None:
+            state.inc("moewatch_layer_rerouted_pairs_total", layer, m["rerouted_pairs"])
         expert_load = w.expert_tokens[d.layer].astype(np.float64)
         if expert_load.sum() > 0:
             state.observe("moewatch_layer_expert_load_share", layer, expert_load / expert_load.mean())
@@ -199,15 +209,22 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
         memory.unhealthy_run[d.layer] = run
         state.set("moewatch_layer_unhealthy_windows", layer, run)
         for rank in range(w.world_size):
-            state.set("moewatch_rank_load_pairs", (*layer, str(rank)), rank_load[d.layer, rank] / steps)
-    compute_by_rank = w.compute_seconds.sum(axis=0) / steps
+            if rank_load is None:
+                state.remove("moewatch_rank_load_pairs", (*layer, str(rank)))
+            else:
+                state.set("moewatch_rank_load_pairs", (*layer, str(rank)), rank_load[d.layer, rank] / steps)
     for rank in range(w.world_size):
-        state.set("moewatch_rank_compute_seconds", (*group, str(rank)), compute_by_rank[rank])
+        if w.compute_seconds is None:
+            state.remove("moewatch_rank_compute_seconds", (*group, str(rank)))
+        else:
+            state.set("moewatch_rank_compute_seconds", (*group, str(rank)), w.compute_seconds[:, rank].sum() / steps)
     if expert_metrics:
         _record_experts(state, memory, w, group)
     state.set("moewatch_epoch", group, w.epoch)
-    state.observe("moewatch_step_seconds", group, w.step_seconds)
-    state.inc("moewatch_tokens_total", group, int(w.step_tokens.sum()))
+    if w.step_seconds is not None:
+        state.observe("moewatch_step_seconds", group, w.step_seconds)
+    if w.step_tokens is not None:
+        state.inc("moewatch_tokens_total", group, int(w.step_tokens.sum()))
     state.inc("moewatch_windows_total", group)
     state.set("moewatch_last_window_timestamp_seconds", group, w.end_time)
 

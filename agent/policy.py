@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moewatch import telemetry as tm
 from moewatch.planner import cost
 from moewatch.planner import metrics as pm
 
@@ -126,15 +127,25 @@ def persistent_overflow(windows: Sequence[TriagedWindow], k: int) -> list[int]:
 
 
 def computed_load(windows: Sequence[TriagedWindow]) -> np.ndarray:
-    """[L, E] pairs each expert computed per step, averaged over the windows (drops left out)."""
-    total = sum((t.window.expert_tokens - t.window.dropped_tokens).astype(np.float64) for t in windows)
+    """[L, E] pairs each expert computed per step, averaged over the windows (drops left out where
+    the window counts them; a window that cannot see capacity gives its routed pairs)."""
+    total = sum(tm.kept_tokens(t.window).astype(np.float64) for t in windows)
     steps = sum(max(t.window.steps, 1) for t in windows)
     return total / steps
 
 
 def steps_per_second(windows: Sequence[TriagedWindow]) -> float:
-    steps = sum(len(t.window.step_seconds) for t in windows)
-    seconds = sum(float(t.window.step_seconds.sum()) for t in windows)
+    """Forward steps per second: from the measured step times, else (a window without per-step
+    data) from the window's own span, which every source states."""
+    steps, seconds = 0, 0.0
+    for t in windows:
+        w = t.window
+        if w.step_seconds is not None:
+            steps += len(w.step_seconds)
+            seconds += float(w.step_seconds.sum())
+        else:
+            steps += w.steps
+            seconds += w.end_time - w.start_time
     return steps / seconds if seconds > 0 else 0.0
 
 
@@ -148,6 +159,13 @@ def make_baseline(windows: Sequence[TriagedWindow], layer: int, old_map: np.ndar
     return LayerBaseline(layer, measured, _mean_metric(windows, layer, "layer_seconds_per_step"),
                          _mean_metric(windows, layer, "compute_seconds_per_step"), busiest, measured - model,
                          np.array(old_map), float(old_capacity))
+
+
+def _measured(windows: Sequence[TriagedWindow], layer: int, key: str, digits: int = 4) -> float | None:
+    """A measured metric's mean for a decision's numbers; None when no window measured it (absent
+    evidence is reported as unknown, never as a number)."""
+    value = _mean_metric(windows, layer, key)
+    return round(value, digits) if math.isfinite(value) else None
 
 
 def _mean_metric(windows: Sequence[TriagedWindow], layer: int, key: str) -> float:
@@ -245,6 +263,13 @@ def _decide(view: GroupView, cfg, now: float) -> Proposal:
                                f"(max {cfg.max_plans_per_hour}); would have: {d.reason}", d.before, d.after)
                       for d in pending]
         return Proposal(decisions)
+    if cfg.mode == "act" and "rank_load" in latest.missing_evidence:
+        # Verification and rollback judge a change by measured rank load: without it a live change
+        # could not be checked, so it stays a recommendation.
+        decisions += [Decision(d.kind, d.layers, "recommended", d.reason + "; not applied: the windows carry no "
+                               "rank-level counts, so the change could not be verified", d.before, d.after)
+                      for d in pending]
+        return Proposal(decisions)
     result = "recommended" if cfg.mode == "recommend" else "proposed"
     decisions += [Decision(d.kind, d.layers, result, d.reason, d.before, d.after) for d in pending]
     new_map, new_cap = current_map.copy(), current_cap.copy()
@@ -289,7 +314,7 @@ def choose_levers(view: GroupView, cfg, evidence: Sequence[TriagedWindow], now: 
 
     def skip(kind: str, layer: int, reason: str) -> None:
         m = latest.layers[layer].metrics
-        numbers = {"balancedness": round(_mean_metric(evidence, layer, "balancedness"), 4),
+        numbers = {"balancedness": _measured(evidence, layer, "balancedness"),
                    "a2a_share": m["a2a_share"], "rank_load_max_mean": m["rank_load_max_mean"],
                    "overflow_rate": m["overflow_rate"], "hot_experts": m["hot_experts"]}
         decisions.append(Decision(kind, (layer,), "skipped", reason, numbers))
@@ -372,9 +397,9 @@ def placement_proposals(view: GroupView, cfg, evidence: Sequence[TriagedWindow],
             stall = max(stall, view.observed_stall_per_slot * int(moved[layer]))
         hot = latest.diagnosis.layers[layer].metrics["hot_experts"]
         verdict = _label(*verdicts[layer])
-        before = {"verdict": verdict, "balancedness": round(_mean_metric(evidence, layer, "balancedness"), 4),
+        before = {"verdict": verdict, "balancedness": _measured(evidence, layer, "balancedness"),
                   "model_balancedness": round(float(model_before[layer]), 4),
-                  "layer_seconds_per_step": _mean_metric(evidence, layer, "layer_seconds_per_step"),
+                  "layer_seconds_per_step": _measured(evidence, layer, "layer_seconds_per_step", 9),
                   "model_layer_seconds_per_step": float(t_before[layer]),
                   "replicas": {int(e): int(counts_before[layer, e]) for e in hot}}
         after = {"model_balancedness": round(float(model_after[layer]), 4),

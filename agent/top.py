@@ -54,15 +54,22 @@ def render(status: dict[str, Any], colour: bool) -> str:
             if colour:
                 verdict = click.style(verdict, fg=_COLOURS.get(row["verdict"]))
             ms = row["layer_seconds_per_step"]
-            lines.append(f"  {row['layer']:>5}  {verdict} {row['cause'] or '-':<12} {row['balancedness']:>8.3f} "
-                         f"{row['a2a_share']:>5.0%} {row['rank_load_max_mean']:>8.2f} "
-                         f"{(ms or 0) * 1e3:>8.2f}  {','.join(map(str, row['hot_experts'][:6])) or '-'}")
+            lines.append(f"  {row['layer']:>5}  {verdict} {row['cause'] or '-':<12} {_num(row['balancedness'], '>8.3f')} "
+                         f"{_num(row['a2a_share'], '>5.0%')} {_num(row['rank_load_max_mean'], '>8.2f')} "
+                         f"{_num(None if ms is None else ms * 1e3, '>8.2f')}  "
+                         f"{','.join(map(str, row['hot_experts'][:6])) or '-'}")
         for entry in ctl.get("recent", [])[-5:]:
             if entry.get("event") == "decision" and entry.get("result") == "skipped":
                 continue
             lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(entry['time']))} {entry['event']}: "
                          f"{entry.get('reason', '')[:110]}")
     return "\n".join(lines)
+
+
+def _num(value, spec: str) -> str:
+    """A number in its column, or `?` there when the window did not measure it (absent evidence)."""
+    width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 0)
+    return format(value, spec) if value is not None else "?".rjust(width)
 
 
 def run_top(url: str, interval: float, once: bool, as_json: bool) -> None:

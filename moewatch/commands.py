@@ -44,18 +44,29 @@ def load_window(source: str) -> Window:
     raise AssertionError("unreachable")
 
 
+def _cell(value, spec: str) -> str:
+    """A metric for the table; `?` when the window did not carry its evidence."""
+    return "?" if value is None else format(value, spec)
+
+
+def _gain(action) -> str:
+    return "gain unknown" if action.predicted_gain is None else f"-{action.predicted_gain:.0%}"
+
+
 def format_table(diagnosis: WindowDiagnosis, colour: bool) -> str:
     rows = []
     header = ("layer", "verdict", "cause", "ovfl", "a2a", "rank max/mean", "expert cv", "cross/pred",
-              "balanced", "first action")
+              "balanced", "missing", "first action")
     for d in diagnosis.worst_first():
         m = d.metrics
         first = d.actions[0] if d.actions else None
+        ovfl = "?" if m["overflow_rate"] is None else (f"{m['overflow_rate']:.1%}" if d.overflow else "-")
         rows.append((
-            str(d.layer), d.verdict, d.cause or "-", f"{m['overflow_rate']:.1%}" if d.overflow else "-",
-            f"{m['a2a_share']:.0%}", f"{m['rank_load_max_mean']:.2f}", f"{m['expert_load_cv']:.2f}",
-            f"{m['cross_rank_ratio']:.0%}/{m['expected_cross_rank_ratio']:.0%}", f"{m['balancedness']:.3f}",
-            f"{first.kind} (-{first.predicted_gain:.0%}): {first.summary}" if first else "-"))
+            str(d.layer), d.verdict, d.cause or ("?" if d.verdict != "healthy" else "-"), ovfl,
+            _cell(m["a2a_share"], ".0%"), _cell(m["rank_load_max_mean"], ".2f"), f"{m['expert_load_cv']:.2f}",
+            f"{_cell(m['cross_rank_ratio'], '.0%')}/{m['expected_cross_rank_ratio']:.0%}",
+            _cell(m["balancedness"], ".3f"), ",".join(d.missing) or "-",
+            f"{first.kind} ({_gain(first)}): {first.summary}" if first else "-"))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)) + "  " + header[-1]]
     for row in rows:
@@ -72,7 +83,11 @@ def format_summary(diagnosis: WindowDiagnosis) -> str:
     lines = [f"{ident['model']} / {ident['ep_group']} ({ident['runtime']}), epoch {ident['epoch']}: "
              f"{ident['num_layers']} layers, {ident['num_experts']} experts in {ident['num_slots']} slots "
              f"on {ident['world_size']} ranks, {ident['steps']} steps",
-             f"verdicts: {counts}; mean balancedness {s['balancedness_mean']:.3f}"]
+             f"verdicts: {counts}; mean balancedness "
+             + ("unknown" if s["balancedness_mean"] is None else f"{s['balancedness_mean']:.3f}")]
+    if s["missing"]:
+        lines.append(f"evidence missing (those triage steps are unknown): {', '.join(s['missing'])}; "
+                     f"absent fields: {', '.join(s['absent_fields'])}")
     slow = s["slowest_rank"]
     if slow["compute_share"] is not None:
         lines.append(f"slowest rank: {slow['rank']} ({slow['compute_share']:.0%} of expert compute time)")
@@ -123,13 +138,16 @@ def diagnose(source: str, as_json: bool, fail_on: str | None, config_path: str |
         click.echo(format_table(result, colour))
         if explain:
             for d in result.worst_first():
-                if d.verdict == "healthy" and not d.overflow:
+                if d.verdict == "healthy" and not d.overflow and not d.missing:
                     continue
-                click.echo(f"\nlayer {d.layer}: {d.verdict}" + (f" ({d.cause})" if d.cause else ""))
+                click.echo(f"\nlayer {d.layer}: {d.verdict}" + (f" ({d.cause})" if d.cause else "")
+                           + (f" [missing: {', '.join(d.missing)}]" if d.missing else ""))
                 for line in d.evidence:
                     click.echo(f"  - {line}")
                 for a in d.actions:
-                    click.echo(f"  -> {a.kind}: {a.summary} (predicted -{a.predicted_gain:.0%} layer time)")
+                    gain = ("gain unknown: rank-level evidence missing" if a.predicted_gain is None
+                            else f"predicted -{a.predicted_gain:.0%} layer time")
+                    click.echo(f"  -> {a.kind}: {a.summary} ({gain})")
     if verdicts_failing and any(d.verdict in verdicts_failing for d in result.layers):
         sys.exit(1)
 

@@ -6,6 +6,9 @@ else spread evenly), and times each step with a simple EP model in which every r
 together and the combine all-to-all ends when the slowest rank's compute does, so fast ranks wait
 inside the collective (the effect the triage order exists to see through).
 
+Windows with absent evidence (PARTIAL_EXAMPLES) are the same simulations with measured fields left
+out, as a source that sees only logical counts sends them (docs/telemetry.md, "Absent evidence").
+
 `write_examples(folder, seed=EXAMPLE_SEED)` is what produced examples/*.json.
 """
 
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .telemetry import Window
+from .telemetry import OPTIONAL_ARRAYS, Window
 
 EXAMPLE_SEED = 20261130
 
@@ -204,14 +207,43 @@ def simulate(s: Scenario, seed: int = EXAMPLE_SEED, start_time: float | None = N
     )
 
 
+# name -> (scenario simulated, fields left out, intended (verdict, cause, overflow)). "logical-only":
+# what an engine that counts routed pairs per logical expert and nothing else sends; its overflow
+# is unknown, so the flag is False and the layers list `capacity` as missing.
+PARTIAL_EXAMPLES: dict[str, tuple[str, tuple[str, ...], tuple[str, str | None, bool]]] = {
+    "logical-only-hot-experts": ("imbalance-hot-experts", tuple(sorted(OPTIONAL_ARRAYS)),
+                                 ("imbalance-bound", "hot-experts", False)),
+}
+
+
+def without_evidence(w: Window, fields) -> Window:
+    """The window with `fields` left out (absent evidence), marked in `extra.example.absent`."""
+    extra = dict(w.extra)
+    if "example" in extra:
+        extra["example"] = {**extra["example"], "absent": sorted(fields)}
+    return w.replace(extra=extra, **{name: None for name in fields})
+
+
+def partial_example(name: str, seed: int = EXAMPLE_SEED, start_time: float | None = None) -> Window:
+    base, fields, (verdict, cause, overflow) = PARTIAL_EXAMPLES[name]
+    w = simulate(SCENARIOS[base], seed=seed, start_time=start_time)
+    w = without_evidence(w, fields)
+    intended = {"intended_verdict": verdict, "intended_cause": cause, "intended_overflow": overflow}
+    return w.replace(model=f"example-{name}", extra={**w.extra, "example": {**w.extra["example"], **intended}})
+
+
 def write_examples(folder: str | Path, seed: int = EXAMPLE_SEED) -> list[Path]:
-    """Write one window per scenario as `<name>.json` into folder; returns the paths."""
+    """Write one window per scenario (and per partial example) as `<name>.json` into folder; returns
+    the paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i, scenario in enumerate(SCENARIOS.values()):
-        window = simulate(scenario, seed=seed + i, start_time=1_790_000_000.0)
-        path = folder / f"{scenario.name}.json"
+    windows = [(scenario.name, simulate(scenario, seed=seed + i, start_time=1_790_000_000.0))
+               for i, scenario in enumerate(SCENARIOS.values())]
+    windows += [(name, partial_example(name, seed=seed + len(SCENARIOS) + i, start_time=1_790_000_000.0))
+                for i, name in enumerate(PARTIAL_EXAMPLES)]
+    for name, window in windows:
+        path = folder / f"{name}.json"
         path.write_text(window.to_json(indent=1) + "\n")
         paths.append(path)
     return paths

@@ -38,30 +38,39 @@ def draw(window: Window, result: WindowDiagnosis, out: Path) -> Path:
                  f"{ident['steps']} steps", fontsize=12)
 
     ax = axes[0, 0]
-    dispatch = window.dispatch_seconds.max(axis=1) / steps * 1e3
-    compute = window.compute_seconds.max(axis=1) / steps * 1e3
-    combine = window.combine_seconds.max(axis=1) / steps * 1e3
-    ax.bar(layers, dispatch, label="dispatch", color="#5b8def")
-    ax.bar(layers, compute, bottom=dispatch, label="expert compute", color="#9e9e9e")
-    ax.bar(layers, combine, bottom=dispatch + compute, label="combine (incl. wait)", color="#90caf9")
+    if window.has("dispatch_seconds", "compute_seconds", "combine_seconds"):
+        dispatch = window.dispatch_seconds.max(axis=1) / steps * 1e3
+        compute = window.compute_seconds.max(axis=1) / steps * 1e3
+        combine = window.combine_seconds.max(axis=1) / steps * 1e3
+        ax.bar(layers, dispatch, label="dispatch", color="#5b8def")
+        ax.bar(layers, compute, bottom=dispatch, label="expert compute", color="#9e9e9e")
+        ax.bar(layers, combine, bottom=dispatch + compute, label="combine (incl. wait)", color="#90caf9")
+        tops = dispatch + compute + combine
+        ax.legend(fontsize=8)
+    else:
+        tops = np.zeros(L)
+        _not_measured(ax, "dispatch, compute and combine times")
     for d in result.layers:
         ax.annotate(d.verdict.split("-")[0] + (f"\n{d.cause}" if d.cause else ""),
-                    (d.layer, (dispatch + compute + combine)[d.layer]), ha="center", va="bottom", fontsize=7,
+                    (d.layer, tops[d.layer]), ha="center", va="bottom", fontsize=7,
                     color=VERDICT_COLOURS[d.verdict])
     ax.set_title("Per-step time by layer (slowest rank), verdict above")
     ax.set_xlabel("layer")
     ax.set_ylabel("ms per step")
-    ax.legend(fontsize=8)
 
     ax = axes[0, 1]
-    load = tm.rank_load(window).astype(np.float64)
-    mean = load.mean(axis=1, keepdims=True)
-    ratio = np.divide(load, mean, out=np.ones_like(load), where=mean > 0)
-    im = ax.imshow(ratio.T, aspect="auto", cmap="RdBu_r", vmin=0, vmax=2, origin="lower")
+    load = tm.rank_load(window)
+    if load is not None:
+        load = load.astype(np.float64)
+        mean = load.mean(axis=1, keepdims=True)
+        ratio = np.divide(load, mean, out=np.ones_like(load), where=mean > 0)
+        im = ax.imshow(ratio.T, aspect="auto", cmap="RdBu_r", vmin=0, vmax=2, origin="lower")
+        fig.colorbar(im, ax=ax, label="rank load / mean")
+    else:
+        _not_measured(ax, "rank load (slot_tokens or local + received)")
     ax.set_title("Rank load over the mean (red: straggler)")
     ax.set_xlabel("layer")
     ax.set_ylabel("rank")
-    fig.colorbar(im, ax=ax, label="rank load / mean")
 
     ax = axes[1, 0]
     experts = window.expert_tokens.astype(np.float64)
@@ -75,10 +84,13 @@ def draw(window: Window, result: WindowDiagnosis, out: Path) -> Path:
     fig.colorbar(im, ax=ax, label="expert load / mean")
 
     ax = axes[1, 1]
-    ax.plot(layers, tm.cross_rank_ratio(window), "o-", label="measured")
-    ax.plot(layers, tm.expected_cross_rank_ratio(window), "s--", label="placement predicts")
-    ax.plot(layers, tm.a2a_share(window), "^:", label="all-to-all share of layer time")
-    ax.plot(layers, tm.balancedness(window), "d-.", label="balancedness (mean/max)")
+    # Absent evidence is left off the plot (and out of the legend), never drawn as zero.
+    for values, style, label in ((tm.cross_rank_ratio(window), "o-", "measured"),
+                                 (tm.expected_cross_rank_ratio(window), "s--", "placement predicts"),
+                                 (tm.a2a_share(window), "^:", "all-to-all share of layer time"),
+                                 (tm.balancedness(window), "d-.", "balancedness (mean/max)")):
+        if values is not None:
+            ax.plot(layers, values, style, label=label)
     ax.axhline(0.5, color="#999", lw=0.8)
     ax.set_ylim(0, 1.05)
     ax.set_title("Cross-rank ratio, all-to-all share, balancedness")
@@ -95,6 +107,11 @@ def draw(window: Window, result: WindowDiagnosis, out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _not_measured(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"not measured in this window:\n{what}", ha="center", va="center",
+            transform=ax.transAxes, color="#777")
 
 
 @click.command()

@@ -1,7 +1,8 @@
 """The Window's JSON Schema, derived from the field tables in telemetry.py.
 
 The schema describes shape and types; the cross-field invariants (sums, map coverage) are beyond
-JSON Schema and live in `telemetry.validate`. The committed copy, moewatch/schemas/window.v1.json,
+JSON Schema and live in `telemetry.validate`. Measured fields (telemetry.OPTIONAL_ARRAYS) may be
+null or absent: a source leaves out what it cannot measure. The committed copy, moewatch/schemas/window.v1.json,
 is checked against this function by the tests, so the two cannot drift.
 """
 
@@ -37,7 +38,7 @@ _MEANING = {
     "local_tokens": "pairs whose slot is on the token's own rank [L][W]",
     "sent_tokens": "pairs each rank sent to other ranks (dispatch) [L][W]",
     "received_tokens": "pairs each rank received from other ranks [L][W]",
-    "traffic": "pairs from rank i to rank j [L][W][W], or null",
+    "traffic": "pairs from rank i to rank j [L][W][W]",
     "dispatch_seconds": "dispatch all-to-all seconds per rank, summed over steps [L][W]",
     "combine_seconds": "combine all-to-all seconds per rank, summed over steps [L][W]",
     "compute_seconds": "expert compute seconds per rank, summed over steps [L][W]",
@@ -62,9 +63,12 @@ def window_schema() -> dict[str, Any]:
         props[name] = {**spec, "description": _MEANING[name]}
     for name, (kind, dims) in ARRAY_FIELDS.items():
         spec = _array_schema(kind, len(dims))
+        meaning = _MEANING[name]
         if name in OPTIONAL_ARRAYS:
+            # Absent evidence: null (or left out) when the source cannot measure it, never a guess.
             spec = {"oneOf": [spec, {"type": "null"}]}
-        props[name] = {**spec, "description": _MEANING[name]}
+            meaning += "; null or absent when the source cannot measure it"
+        props[name] = {**spec, "description": meaning}
     for name in ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node"):
         props[name]["minimum"] = 1
     return {

@@ -42,7 +42,24 @@ ARRAY_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "step_seconds": ("f", ("S",)),
     "step_tokens": ("i", ("S",)),
 }
-OPTIONAL_ARRAYS = frozenset({"traffic"})
+# Absent evidence (WINDOW.md): a source that cannot measure a field leaves it out (None here, null in
+# JSON, no entry in the binary form) rather than guessing it. Only the placement, the routed counts
+# and the capacity factor in force are always present.
+REQUIRED_ARRAYS = frozenset({"physical_to_logical_map", "expert_tokens", "capacity_factor"})
+OPTIONAL_ARRAYS = frozenset(ARRAY_FIELDS) - REQUIRED_ARRAYS
+
+# What each triage step needs, by evidence kind: any one alternative fully present is enough.
+# The kinds are the label values of moewatch_layer_evidence_missing and the `missing` lists of a
+# diagnosis (docs/telemetry.md, "Absent evidence").
+EVIDENCE: dict[str, tuple[tuple[str, ...], ...]] = {
+    "a2a_time": (("dispatch_seconds", "combine_seconds", "layer_seconds"),),  # triage step 1
+    "rank_load": (("slot_tokens",), ("local_tokens", "received_tokens")),  # triage step 2
+    "cross_rank": (("local_tokens", "sent_tokens"),),  # triage step 3
+    "capacity": (("dropped_tokens", "rerouted_tokens"),),  # the overflow flag
+    "compute_time": (("compute_seconds",),),  # a slow device at even load
+    "layer_time": (("layer_seconds",),),  # seconds at stake
+    "steps": (("step_seconds", "step_tokens"),),  # step time, tokens per second
+}
 
 SCALAR_FIELDS: dict[str, type] = {
     "runtime": str,
@@ -66,7 +83,7 @@ class WindowError(FieldError):
     """A window broke the contract; `field` names the first offending field."""
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Window:
     runtime: str
     model: str
@@ -84,20 +101,20 @@ class Window:
     hidden_bytes: int
     physical_to_logical_map: np.ndarray
     expert_tokens: np.ndarray
-    slot_tokens: np.ndarray
-    dropped_tokens: np.ndarray
-    rerouted_tokens: np.ndarray
+    slot_tokens: np.ndarray | None = None
+    dropped_tokens: np.ndarray | None = None
+    rerouted_tokens: np.ndarray | None = None
     capacity_factor: np.ndarray
-    local_tokens: np.ndarray
-    sent_tokens: np.ndarray
-    received_tokens: np.ndarray
-    traffic: np.ndarray | None
-    dispatch_seconds: np.ndarray
-    combine_seconds: np.ndarray
-    compute_seconds: np.ndarray
-    layer_seconds: np.ndarray
-    step_seconds: np.ndarray
-    step_tokens: np.ndarray
+    local_tokens: np.ndarray | None = None
+    sent_tokens: np.ndarray | None = None
+    received_tokens: np.ndarray | None = None
+    traffic: np.ndarray | None = None
+    dispatch_seconds: np.ndarray | None = None
+    combine_seconds: np.ndarray | None = None
+    compute_seconds: np.ndarray | None = None
+    layer_seconds: np.ndarray | None = None
+    step_seconds: np.ndarray | None = None
+    step_tokens: np.ndarray | None = None
     # Fields this reader does not know, kept so a round trip is lossless.
     extra: Mapping[str, Any] = field(default_factory=dict)
     schema: str = SCHEMA
@@ -116,6 +133,21 @@ class Window:
             value = getattr(self, name)
             if value is not None:
                 value.setflags(write=False)
+
+    # --- evidence --------------------------------------------------------------------------------
+    def has(self, *names: str) -> bool:
+        """Whether every named array field is present (not absent evidence)."""
+        return all(getattr(self, name) is not None for name in names)
+
+    @property
+    def absent_fields(self) -> list[str]:
+        """Array fields this window leaves out, in field order."""
+        return [name for name in ARRAY_FIELDS if getattr(self, name) is None]
+
+    @property
+    def missing_evidence(self) -> list[str]:
+        """Evidence kinds (EVIDENCE) this window cannot support, in EVIDENCE order."""
+        return [kind for kind, options in EVIDENCE.items() if not any(self.has(*opt) for opt in options)]
 
     # --- sizes -----------------------------------------------------------------------------------
     @property
@@ -278,22 +310,43 @@ def validate(w: Window) -> None:
         layer, expert = map(int, np.argwhere(~held)[0])
         raise WindowError("physical_to_logical_map", f"layer {layer}: expert {expert} has no slot")
 
+    # Invariants apply to what is present: each check runs when the fields it relates are there.
     routed = w.expert_tokens.sum(axis=1)
-    dropped = w.dropped_tokens.sum(axis=1)
-    computed = w.slot_tokens.sum(axis=1)
-    local = w.local_tokens.sum(axis=1)
-    _check_layers("dropped_tokens", w.dropped_tokens > w.expert_tokens,
-                  "an expert dropped more pairs than were routed to it", per_element=True)
-    _check_layers("slot_tokens", computed != routed - dropped,
-                  "sum(slot_tokens) != sum(expert_tokens) - sum(dropped_tokens)")
-    _check_layers("sent_tokens", local + w.sent_tokens.sum(axis=1) != computed,
-                  "sum(local_tokens) + sum(sent_tokens) != sum(slot_tokens)")
-    _check_layers("received_tokens", local + w.received_tokens.sum(axis=1) != computed,
-                  "sum(local_tokens) + sum(received_tokens) != sum(slot_tokens)")
-    per_rank = w.slot_tokens.reshape(L, W, P // W).sum(axis=2)
-    _check_layers("slot_tokens", np.any(per_rank != w.local_tokens + w.received_tokens, axis=1),
-                  "a rank's slots do not add up to its local + received pairs")
+    kept = routed
+    if w.dropped_tokens is not None:
+        _check_layers("dropped_tokens", w.dropped_tokens > w.expert_tokens,
+                      "an expert dropped more pairs than were routed to it", per_element=True)
+        kept = routed - w.dropped_tokens.sum(axis=1)
+    local = None if w.local_tokens is None else w.local_tokens.sum(axis=1)
+    # Computed pairs: from the slots, else from local + received (equal when both are present).
+    computed = None
+    if w.slot_tokens is not None:
+        computed = w.slot_tokens.sum(axis=1)
+        name = "slot_tokens"
+    elif w.has("local_tokens", "received_tokens"):
+        computed = local + w.received_tokens.sum(axis=1)
+        name = "received_tokens"
+    if computed is not None:
+        if w.dropped_tokens is not None:
+            _check_layers(name, computed != kept, f"sum({name}) != sum(expert_tokens) - sum(dropped_tokens)"
+                          if name == "slot_tokens" else
+                          "sum(local_tokens) + sum(received_tokens) != sum(expert_tokens) - sum(dropped_tokens)")
+        else:
+            _check_layers(name, computed > routed, "more pairs computed than were routed (sum(expert_tokens))")
+    if computed is not None and w.has("local_tokens", "sent_tokens"):
+        _check_layers("sent_tokens", local + w.sent_tokens.sum(axis=1) != computed,
+                      "sum(local_tokens) + sum(sent_tokens) != sum(slot_tokens)")
+    if w.has("slot_tokens", "local_tokens", "received_tokens"):
+        _check_layers("received_tokens", local + w.received_tokens.sum(axis=1) != computed,
+                      "sum(local_tokens) + sum(received_tokens) != sum(slot_tokens)")
+        per_rank = w.slot_tokens.reshape(L, W, P // W).sum(axis=2)
+        _check_layers("slot_tokens", np.any(per_rank != w.local_tokens + w.received_tokens, axis=1),
+                      "a rank's slots do not add up to its local + received pairs")
     if w.traffic is not None:
+        # The matrix holds local, sent and received: a source that has it states them too.
+        lacking = [n for n in ("local_tokens", "sent_tokens", "received_tokens") if getattr(w, n) is None]
+        if lacking:
+            raise WindowError("traffic", f"present while {', '.join(lacking)} absent (the matrix determines them)")
         diag = np.diagonal(w.traffic, axis1=1, axis2=2)
         _check_layers("traffic", np.any(diag != w.local_tokens, axis=1),
                       "the diagonal differs from local_tokens")
@@ -389,7 +442,8 @@ def decode_binary(blob: bytes) -> Window:
 
 
 # --- derived quantities (WINDOW.md, "What the triage derives") --------------------------------
-# Each returns one value per layer: an array of shape [L] unless said otherwise.
+# Each returns one value per layer: an array of shape [L] unless said otherwise, or None when the
+# window lacks the evidence (`Window.missing_evidence` says which). Nothing is estimated in its place.
 
 def _ratio(num: np.ndarray, den: np.ndarray, empty: float = 0.0) -> np.ndarray:
     num = np.asarray(num, dtype=np.float64)
@@ -399,24 +453,37 @@ def _ratio(num: np.ndarray, den: np.ndarray, empty: float = 0.0) -> np.ndarray:
     return out
 
 
-def a2a_seconds(w: Window) -> np.ndarray:
+def a2a_seconds(w: Window) -> np.ndarray | None:
     """[L, W] dispatch + combine seconds per rank, summed over the window's steps."""
+    if not w.has("dispatch_seconds", "combine_seconds"):
+        return None
     return w.dispatch_seconds + w.combine_seconds
 
 
-def a2a_share(w: Window) -> np.ndarray:
+def a2a_share(w: Window) -> np.ndarray | None:
     """[L] (dispatch + combine) / layer time, both summed over ranks."""
-    return _ratio(a2a_seconds(w).sum(axis=1), w.layer_seconds.sum(axis=1))
+    a2a = a2a_seconds(w)
+    if a2a is None or w.layer_seconds is None:
+        return None
+    return _ratio(a2a.sum(axis=1), w.layer_seconds.sum(axis=1))
 
 
-def rank_load(w: Window) -> np.ndarray:
-    """[L, W] pairs each rank computed: local + received."""
-    return w.local_tokens + w.received_tokens
+def rank_load(w: Window) -> np.ndarray | None:
+    """[L, W] pairs each rank computed: the sum over its slots, which the contract makes equal to
+    local + received (either is measured evidence). None for a window of logical counts only: the
+    placement and the routed counts alone do not say where tokens started, so nothing is invented."""
+    if w.slot_tokens is not None:
+        return w.slot_tokens.reshape(w.num_layers, w.world_size, w.slots_per_rank).sum(axis=2)
+    if w.has("local_tokens", "received_tokens"):
+        return w.local_tokens + w.received_tokens
+    return None
 
 
-def rank_load_max_min(w: Window) -> np.ndarray:
+def rank_load_max_min(w: Window) -> np.ndarray | None:
     """[L] max/min of rank load; inf where a rank computed nothing while another did."""
     load = rank_load(w)
+    if load is None:
+        return None
     hi, lo = load.max(axis=1).astype(np.float64), load.min(axis=1).astype(np.float64)
     out = np.ones(w.num_layers)
     busy = hi > 0
@@ -424,26 +491,26 @@ def rank_load_max_min(w: Window) -> np.ndarray:
     return out
 
 
-def rank_load_max_mean(w: Window) -> np.ndarray:
+def rank_load_max_mean(w: Window) -> np.ndarray | None:
     """[L] max/mean of rank load (1.0 is perfect balance; an idle layer reads 1.0)."""
     load = rank_load(w)
-    return _ratio(load.max(axis=1), load.mean(axis=1), empty=1.0)
+    return None if load is None else _ratio(load.max(axis=1), load.mean(axis=1), empty=1.0)
 
 
-def rank_load_cv(w: Window) -> np.ndarray:
+def rank_load_cv(w: Window) -> np.ndarray | None:
     """[L] std/mean of rank load (the seeds' expert-load-per-card dispersion)."""
     load = rank_load(w)
-    return _ratio(load.std(axis=1), load.mean(axis=1))
+    return None if load is None else _ratio(load.std(axis=1), load.mean(axis=1))
 
 
-def balancedness(w: Window) -> np.ndarray:
+def balancedness(w: Window) -> np.ndarray | None:
     """[L] mean/max of rank load, in (0, 1]; 1.0 for an idle layer (vLLM and SGLang convention)."""
     load = rank_load(w)
-    return _ratio(load.mean(axis=1), load.max(axis=1), empty=1.0)
+    return None if load is None else _ratio(load.mean(axis=1), load.max(axis=1), empty=1.0)
 
 
 def expert_load_cv(w: Window) -> np.ndarray:
-    """[L] std/mean of pairs routed to each logical expert (before capacity)."""
+    """[L] std/mean of pairs routed to each logical expert (before capacity). Always measured."""
     load = w.expert_tokens
     return _ratio(load.std(axis=1), load.mean(axis=1))
 
@@ -458,10 +525,18 @@ def hot_experts(w: Window, multiple: float) -> list[list[int]]:
     return out
 
 
-def cross_rank_ratio(w: Window) -> np.ndarray:
+def cross_rank_ratio(w: Window) -> np.ndarray | None:
     """[L] share of computed pairs whose slot was on another rank: sent / (local + sent)."""
+    if not w.has("local_tokens", "sent_tokens"):
+        return None
     sent = w.sent_tokens.sum(axis=1)
     return _ratio(sent, w.local_tokens.sum(axis=1) + sent)
+
+
+def kept_tokens(w: Window) -> np.ndarray:
+    """[L, E] pairs each expert kept after capacity: routed minus dropped, or routed where the
+    window cannot see capacity (the measured count, not an estimate of the drops)."""
+    return w.expert_tokens if w.dropped_tokens is None else w.expert_tokens - w.dropped_tokens
 
 
 def expected_cross_rank_ratio(w: Window) -> np.ndarray:
@@ -471,37 +546,48 @@ def expected_cross_rank_ratio(w: Window) -> np.ndarray:
     one (the runtime's replica policy): expert e stays local with probability (ranks holding e) / W.
     With one replica per expert this is 1 - 1/W whatever the load; replicas lower it. A measured
     ratio well above it means tokens' home ranks and their experts' ranks are anti-correlated.
+    A prediction from the placement and the routed counts, so every window has it.
     """
     L, E, W = w.num_layers, w.num_experts, w.world_size
     holds = np.zeros((L, E, W), dtype=bool)
     layer_idx = np.repeat(np.arange(L), w.num_slots)
     holds[layer_idx, w.physical_to_logical_map.ravel(), np.tile(w.slot_rank, L)] = True
     local_prob = holds.sum(axis=2) / W  # [L, E]
-    kept = w.expert_tokens - w.dropped_tokens
+    kept = kept_tokens(w)
     total = kept.sum(axis=1)
     expected_local = _ratio((kept * local_prob).sum(axis=1), total)
     return np.where(total > 0, 1.0 - expected_local, 1.0 - 1.0 / W)
 
 
-def overflow_rate(w: Window) -> np.ndarray:
+def overflow_rate(w: Window) -> np.ndarray | None:
     """[L] (dropped + rerouted) / routed pairs."""
+    if not w.has("dropped_tokens", "rerouted_tokens"):
+        return None
     return _ratio((w.dropped_tokens + w.rerouted_tokens).sum(axis=1), w.expert_tokens.sum(axis=1))
 
 
-def effective_capacity_factor(w: Window) -> np.ndarray:
+def effective_capacity_factor(w: Window) -> np.ndarray | None:
     """[L] computed pairs over the capacity granted, C x k x tokens; NaN where dropless (C = 0).
 
     Seed 002 asks for C_eff > 0.8: the share of the capacity buffer doing useful work. A layer
-    padded far beyond its load (C = 2 on balanced routing) reads about 0.5.
+    padded far beyond its load (C = 2 on balanced routing) reads about 0.5. None without step_tokens
+    or without the computed pairs (slot_tokens, or routed minus dropped).
     """
+    if w.step_tokens is None:
+        return None
+    if w.slot_tokens is not None:
+        computed = w.slot_tokens.sum(axis=1).astype(np.float64)
+    elif w.dropped_tokens is not None:
+        computed = kept_tokens(w).sum(axis=1).astype(np.float64)
+    else:
+        return None
     granted = w.capacity_factor * w.top_k * float(w.step_tokens.sum())
-    computed = w.slot_tokens.sum(axis=1).astype(np.float64)
     out = np.full(w.num_layers, np.nan)
     np.divide(computed, granted, out=out, where=granted > 0)
     return out
 
 
-def a2a_lower_bound_seconds(w: Window, link_bandwidth_bytes_per_s: float) -> np.ndarray:
+def a2a_lower_bound_seconds(w: Window, link_bandwidth_bytes_per_s: float) -> np.ndarray | None:
     """[L] Aurora's bound on dispatch + combine time for the window.
 
     max over ranks of sent or received pairs x hidden_bytes / bandwidth, once per direction
@@ -510,33 +596,48 @@ def a2a_lower_bound_seconds(w: Window, link_bandwidth_bytes_per_s: float) -> np.
     """
     if link_bandwidth_bytes_per_s <= 0:
         raise ValueError("link_bandwidth_bytes_per_s must be positive")
+    if not w.has("sent_tokens", "received_tokens"):
+        return None
     busiest = np.maximum(w.sent_tokens.max(axis=1), w.received_tokens.max(axis=1))
     return 2.0 * busiest * w.hidden_bytes / link_bandwidth_bytes_per_s
 
 
-def a2a_measured_seconds(w: Window) -> np.ndarray:
+def a2a_measured_seconds(w: Window) -> np.ndarray | None:
     """[L] all-to-all time of the group: the slowest rank's dispatch + combine (a collective ends
     when its last rank does)."""
-    return a2a_seconds(w).max(axis=1)
+    a2a = a2a_seconds(w)
+    return None if a2a is None else a2a.max(axis=1)
 
 
-def a2a_efficiency(w: Window, link_bandwidth_bytes_per_s: float) -> np.ndarray:
+def a2a_efficiency(w: Window, link_bandwidth_bytes_per_s: float) -> np.ndarray | None:
     """[L] Aurora bound over measured all-to-all time, in [0, 1] (1 = at the bound); the inverse
     of measured-over-bound. NaN where nothing was measured."""
     bound = a2a_lower_bound_seconds(w, link_bandwidth_bytes_per_s)
     measured = a2a_measured_seconds(w)
+    if bound is None or measured is None:
+        return None
     out = np.full(w.num_layers, np.nan)
     np.divide(bound, measured, out=out, where=measured > 0)
     return np.minimum(out, 1.0, where=~np.isnan(out), out=out)
 
 
-def mean_message_bytes(w: Window) -> np.ndarray:
+def mean_message_bytes(w: Window) -> np.ndarray | None:
     """[L] mean bytes per rank-to-rank message per step and direction (the small-message signal:
     seed 002 puts fixed per-message cost in charge below 32 KB)."""
+    if w.sent_tokens is None:
+        return None
     messages = w.steps * w.world_size * max(w.world_size - 1, 1)
     return _ratio(w.sent_tokens.sum(axis=1) * float(w.hidden_bytes), np.full(w.num_layers, messages))
 
 
-def compute_max_mean(w: Window) -> np.ndarray:
+def compute_max_mean(w: Window) -> np.ndarray | None:
     """[L] slowest rank's expert compute time over the mean (a hardware straggler at even load)."""
+    if w.compute_seconds is None:
+        return None
     return _ratio(w.compute_seconds.max(axis=1), w.compute_seconds.mean(axis=1), empty=1.0)
+
+
+def per_step_max(w: Window, name: str) -> np.ndarray | None:
+    """[L] the slowest rank's value of an [L, W] time field per step, or None when it is absent."""
+    value = getattr(w, name)
+    return None if value is None else value.max(axis=1) / max(w.steps, 1)

@@ -218,7 +218,12 @@ def fit(windows: Iterable[Any], base: CostModel | None = None, rounds: int = 4) 
     """
     model = base or CostModel()
     comp_x, comp_y, a2a_bytes, a2a_peers, a2a_y = [], [], [], [], []
+    # Only windows that measured what the model is fitted to (absent evidence is never filled in).
+    needed = ("local_tokens", "sent_tokens", "received_tokens", "compute_seconds", "dispatch_seconds",
+              "combine_seconds")
     for w in windows:
+        if any(getattr(w, name, None) is None for name in needed):
+            continue
         steps = max(w.steps, 1)
         W, G = w.world_size, min(w.ranks_per_node, w.world_size)
         N = max(W // G, 1)
@@ -240,7 +245,7 @@ def fit(windows: Iterable[Any], base: CostModel | None = None, rounds: int = 4) 
         a2a_peers.extend([2.0 * (W - 1)] * w.num_layers)
         a2a_y.extend(((w.dispatch_seconds + w.combine_seconds).max(axis=1) / steps).tolist())
     if not comp_y:
-        raise ValueError("windows: nothing to fit (no windows)")
+        raise ValueError("windows: nothing to fit (no windows with rank-level counts and timings)")
     comp_names = ("seconds_per_pair", "seconds_per_local_expert", "fixed_seconds")
     a2a_names = ("seconds_per_byte_intra", "seconds_per_byte_inter", "seconds_per_message")
     comp_coef, comp_fit, r2c = _nnls_fit(np.concatenate(comp_x), np.concatenate(comp_y),

@@ -107,11 +107,15 @@ def test_each_broken_invariant_is_rejected_with_its_field(window, name, mutate, 
                                "physical_to_logical_map")
 
 
-def test_missing_field_is_named(window):
-    data = window.to_dict()
-    del data["combine_seconds"]
-    with pytest.raises(WindowError, match="combine_seconds: missing"):
-        Window.from_dict(data)
+@pytest.mark.parametrize("name", ["expert_tokens", "physical_to_logical_map", "capacity_factor"])
+def test_missing_required_field_is_named(window, name):
+    # combine_seconds and the other measured fields may be absent (tests/core/test_absent_evidence.py);
+    # the placement, the routed counts and the capacity factor may not.
+    for change in (lambda d: d.pop(name), lambda d: d.__setitem__(name, None)):
+        data = window.to_dict()
+        change(data)
+        with pytest.raises(WindowError, match=f"{name}: missing"):
+            Window.from_dict(data)
 
 
 def test_per_rank_slot_sums_must_match_local_plus_received(window):
