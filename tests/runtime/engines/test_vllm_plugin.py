@@ -152,9 +152,23 @@ def test_eager_in_process_counts_equal_transformers_and_reach_the_agent(tiny_mod
 
 
 def check_missing_evidence_marked(text: str, model: str) -> None:
-    """The layer's series say which evidence vLLM did not give (filled in with the agent's marking)."""
-    marked = [line for line in text.splitlines() if "missing" in line.split("{")[0] and f'model="{model}"' in line]
-    assert marked, "no series marks the missing evidence"
+    """Each layer's series say which evidence vLLM could not give (1) and which it measured (0)."""
+    marks: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if line.startswith("moewatch_layer_evidence_missing{") and f'model="{model}"' in line:
+            head, _, value = line.rpartition(" ")
+            labels = dict(part.split("=", 1) for part in head[head.index("{") + 1:-1].split(","))
+            marks[(labels["layer"].strip('"'), labels["evidence"].strip('"'))] = float(value)
+    for layer in ("0", "1", "2"):
+        for kind in ("a2a_time", "rank_load", "cross_rank", "compute_time"):
+            assert marks.get((layer, kind)) == 1.0, (layer, kind, marks)
+        for kind in ("layer_time", "steps", "capacity"):  # measured on the CPU in eager mode
+            assert marks.get((layer, kind)) == 0.0, (layer, kind, marks)
+    # What needs absent evidence has no series for these layers, rather than a guessed number.
+    assert not any(line.startswith(("moewatch_layer_a2a_share_ratio{", "moewatch_layer_balancedness_ratio{"))
+                   and f'model="{model}"' in line for line in text.splitlines())
+    assert any(line.startswith("moewatch_layer_expert_load_cv_ratio{") and f'model="{model}"' in line
+               for line in text.splitlines())
 
 
 @pytest.mark.slow
