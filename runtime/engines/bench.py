@@ -4,8 +4,8 @@ without it, on the same prompts, interleaved in one run.
 Two vLLM engines run side by side, each in its own process (in-process engine,
 VLLM_ENABLE_V1_MULTIPROCESSING=0): one with MOEWATCH_WINDOW_DIR set (plugin active, windows written
 to a temporary folder), one without (plugin inactive). Rounds alternate between them, so a machine
-whose load drifts slows both alike. overhead_ratio = median tokens/s inactive / median tokens/s
-active (1.0 = no cost). The model is a tiny random-weight Qwen3-MoE saved by transformers unless
+whose load drifts slows both alike. overhead_ratio = the median over rounds of tokens/s inactive /
+tokens/s active in that round (1.0 = no cost). The model is a tiny random-weight Qwen3-MoE saved by transformers unless
 --model names one. vLLM runs in its own environment (`make vllm-env`): --python points at it.
 """
 
@@ -90,7 +90,7 @@ def _round(proc: subprocess.Popen) -> dict:
 @click.option("--python", "python", default=DEFAULT_PYTHON, show_default=True,
               help="Python of the environment vLLM is installed in (with moewatch installed into it).")
 @click.option("--model", default=None, help="Model folder; default: a tiny random Qwen3-MoE built here.")
-@click.option("--rounds", type=click.IntRange(1, 100), default=6, show_default=True, help="Rounds per engine.")
+@click.option("--rounds", type=click.IntRange(1, 100), default=10, show_default=True, help="Rounds per engine.")
 @click.option("--prompts", "num_prompts", type=click.IntRange(1, 256), default=16, show_default=True)
 @click.option("--prompt-len", type=click.IntRange(1, 400), default=64, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(1, 100), default=16, show_default=True)
@@ -135,7 +135,10 @@ def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_l
         written = len(list(windows.glob("*.json"))) if windows.is_dir() else 0
     tps = {name: [r["tokens"] / r["seconds"] for r in rs] for name, rs in results.items()}
     inactive, active = statistics.median(tps["inactive"]), statistics.median(tps["active"])
-    out = {"overhead_ratio": round(inactive / active, 4), "tokens_per_second_inactive": round(inactive, 1),
+    # Each round pairs the two engines back to back on the same prompts: the median of the paired
+    # ratios resists load that drifts between rounds better than a ratio of medians.
+    paired = [off_r / on_r for off_r, on_r in zip(tps["inactive"], tps["active"])]
+    out = {"overhead_ratio": round(statistics.median(paired), 4), "tokens_per_second_inactive": round(inactive, 1),
            "tokens_per_second_active": round(active, 1), "rounds": rounds, "prompts": num_prompts,
            "prompt_len": prompt_len, "max_tokens": max_tokens, "mode": "compiled" if compiled else "eager",
            "windows_written": written, "tokens_per_round": results["active"][0]["tokens"],

@@ -177,3 +177,35 @@ def test_compiled_multiprocess_tp2_counts_equal_transformers_not_doubled(tiny_mo
     check_counts(windows, tiny_model, generated)
     # Compiled: no per-layer timing without a sync, so it is absent rather than guessed.
     assert all(w.layer_seconds is None for w in windows)
+
+
+@pytest.mark.slow
+def test_the_entry_point_registers_in_vllm_and_stays_inactive_without_a_destination(tmp_path):
+    assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment"
+    # One interpreter (importing vLLM is the slow part): vLLM loads its plugins with no MOEWATCH_*
+    # set, then the same entry point is called again with a destination.
+    probe = f"""
+import os
+from importlib.metadata import entry_points
+from vllm.plugins import load_general_plugins
+from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+def bound():
+    return getattr(MoERunner.__init__, '_moewatch', False) and getattr(GPUModelRunner.execute_model, '_moewatch', False)
+load_general_plugins()
+before = bound()
+(entry,) = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'moewatch']
+os.environ['MOEWATCH_WINDOW_DIR'] = {str(tmp_path)!r}
+entry.load()()
+print(before, bound())
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEWATCH_")}
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", probe], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.stdout.split()[-2:] == ["False", "True"], proc.stderr[-2000:]
+
+
+def test_bench_vllm_refuses_a_missing_environment_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "moewatch.cli", "bench", "vllm", "--python", "/nonexistent/python",
+                           "--json"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "--python: /nonexistent/python does not exist" in proc.stderr and "Traceback" not in proc.stderr
