@@ -5,7 +5,8 @@ Two vLLM engines run side by side, each in its own process (in-process engine,
 VLLM_ENABLE_V1_MULTIPROCESSING=0): one with MOEWATCH_WINDOW_DIR set (plugin active, windows written
 to a temporary folder), one without (plugin inactive). Rounds alternate between them, so a machine
 whose load drifts slows both alike. overhead_ratio = the median over rounds of tokens/s inactive /
-tokens/s active in that round (1.0 = no cost). The model is a tiny random-weight Qwen3-MoE saved by transformers unless
+tokens/s active in that round (1.0 = no cost); overhead_ratio_cpu_time the same from each engine's
+own CPU seconds, which time spent descheduled by other work on a shared machine does not inflate. The model is a tiny random-weight Qwen3-MoE saved by transformers unless
 --model names one. vLLM runs in its own environment (`make vllm-env`): --python points at it.
 """
 
@@ -59,11 +60,11 @@ def _worker(model: str, prompts_path: str, max_tokens: int, compiled: bool) -> N
     for line in sys.stdin:
         if line.strip() != "run":
             break
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         results = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         tokens = sum(len(r.prompt_token_ids) + len(r.outputs[0].token_ids) for r in results)
-        print(json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
+        print(json.dumps({"tokens": tokens, "seconds": seconds, "cpu_seconds": cpu_seconds}), flush=True)
     del llm
 
 
@@ -138,7 +139,9 @@ def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_l
     # Each round pairs the two engines back to back on the same prompts: the median of the paired
     # ratios resists load that drifts between rounds better than a ratio of medians.
     paired = [off_r / on_r for off_r, on_r in zip(tps["inactive"], tps["active"])]
-    out = {"overhead_ratio": round(statistics.median(paired), 4), "tokens_per_second_inactive": round(inactive, 1),
+    # The engine's own CPU seconds per round: on a shared machine, time spent descheduled is not in it.
+    cpu = [on_r["cpu_seconds"] / off_r["cpu_seconds"] for off_r, on_r in zip(results["inactive"], results["active"])]
+    out = {"overhead_ratio": round(statistics.median(paired), 4), "overhead_ratio_cpu_time": round(statistics.median(cpu), 4), "tokens_per_second_inactive": round(inactive, 1),
            "tokens_per_second_active": round(active, 1), "rounds": rounds, "prompts": num_prompts,
            "prompt_len": prompt_len, "max_tokens": max_tokens, "mode": "compiled" if compiled else "eager",
            "windows_written": written, "tokens_per_round": results["active"][0]["tokens"],
