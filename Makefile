@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[runtime,dev]" "$(TRANSFORMERS_PIN)"
+	$(PY) -m pip install --quiet -e ".[runtime,dev]"
 	touch $@
 
 # moewatch goes in too, so its `vllm.general_plugins` entry point registers in vLLM's processes.

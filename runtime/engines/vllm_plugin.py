@@ -69,8 +69,8 @@ def _reporting_rank() -> bool:
     from vllm.distributed import parallel_state as ps
 
     try:
-        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_group().rank_in_group == 0
-    except (AssertionError, AttributeError):  # parallel state not set up: a single process
+        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pp_group().rank_in_group == 0
+    except AssertionError:  # parallel state not set up: a single process
         return True
 
 
@@ -87,8 +87,11 @@ def _recorder_for(moe_config):
     vcfg = get_current_vllm_config()
     settings = _state["settings"]
     device = torch.device(moe_config.device) if moe_config.device is not None else torch.device("cpu")
-    max_tokens = vcfg.scheduler_config.max_num_batched_tokens
     parallel = moe_config.moe_parallel_config
+    # A router may see the batches of its whole DP or EP group gathered: room for all of them, so a
+    # pair never lacks its weight (the slice must match the ids, or the step would fail).
+    max_tokens = vcfg.scheduler_config.max_num_batched_tokens * max(
+        parallel.ep_size if parallel.use_ep else parallel.dp_size, 1)
     world = parallel.ep_size if parallel.use_ep else 1
     ep_group = settings.ep_group if parallel.dp_size <= 1 else f"{settings.ep_group}-dp{parallel.dp_rank}"
     model = settings.model or _model_name(vcfg)
@@ -167,22 +170,29 @@ def _time_layer(runner, layer_id: int, rec) -> None:
     runner.forward = timed
 
 
+def _wrap_once(cls, name: str, make) -> None:
+    """Replace cls.name by make(original), once per process (vLLM may load plugins again)."""
+    original = getattr(cls, name)
+    if getattr(original, "_moewatch", False):
+        return
+    wrapped = make(original)
+    wrapped._moewatch = True
+    setattr(cls, name, wrapped)
+
+
 def _wrap_runner_constructor() -> None:
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-    init = MoERunner.__init__
-    if getattr(init, "_moewatch", False):
-        return
+    def make(init):
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            try:
+                _bind(self)
+            except Exception:  # never stop the engine from starting: log why it is not observed
+                logger.exception("moewatch: could not bind to MoE layer %s", getattr(self, "layer_name", "?"))
+        return __init__
 
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        try:
-            _bind(self)
-        except Exception:  # never stop the engine from starting: log why it is not observed
-            logger.exception("moewatch: could not bind to MoE layer %s", getattr(self, "layer_name", "?"))
-
-    __init__._moewatch = True
-    MoERunner.__init__ = __init__
+    _wrap_once(MoERunner, "__init__", make)
 
 
 # --- steps and shutdown ------------------------------------------------------------------------------
@@ -190,36 +200,30 @@ def _wrap_runner_constructor() -> None:
 def _wrap_execute_model() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    execute = GPUModelRunner.execute_model
-    if getattr(execute, "_moewatch", False):
-        return
+    def make(execute):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            rec = _state["recorder"]
+            tokens = scheduler_output.total_num_scheduled_tokens if rec is not None else 0
+            if tokens <= 0:
+                return execute(self, scheduler_output, *args, **kwargs)
+            _state["model_runner"] = self
+            rec.begin_step(tokens)
+            try:
+                return execute(self, scheduler_output, *args, **kwargs)
+            finally:
+                rec.end_step()
+        return execute_model
 
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        rec = _state["recorder"]
-        tokens = scheduler_output.total_num_scheduled_tokens if rec is not None else 0
-        if tokens <= 0:
-            return execute(self, scheduler_output, *args, **kwargs)
-        _state["model_runner"] = self
-        rec.begin_step(tokens)
-        try:
-            return execute(self, scheduler_output, *args, **kwargs)
-        finally:
-            rec.end_step()
-
-    execute_model._moewatch = True
-    GPUModelRunner.execute_model = execute_model
+    _wrap_once(GPUModelRunner, "execute_model", make)
 
 
 def _wrap_shutdown() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
-    shutdown = Worker.shutdown
-    if getattr(shutdown, "_moewatch", False):
-        return
+    def make(shutdown):
+        def worker_shutdown(self, *args, **kwargs):
+            close()
+            return shutdown(self, *args, **kwargs)
+        return worker_shutdown
 
-    def worker_shutdown(self, *args, **kwargs):
-        close()
-        return shutdown(self, *args, **kwargs)
-
-    worker_shutdown._moewatch = True
-    Worker.shutdown = worker_shutdown
+    _wrap_once(Worker, "shutdown", make)
