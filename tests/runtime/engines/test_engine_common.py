@@ -97,3 +97,38 @@ def test_recorder_flushes_by_steps_and_at_close():
     assert seen[1].extra["layer_ids"] == [5]
     rec.close()  # nothing pending: no empty window
     assert len(seen) == 2
+
+
+def test_slot_counts_and_the_map_in_force_make_rank_load_real():
+    # The GPU-only EPLB path: vLLM's mapping from logical ids to slots is wrapped, its output counted
+    # per slot with the same weights. Here a stand-in mapping (the real one needs CUDA) sends expert
+    # e to slot e, and expert 0's second replica, slot 4, takes every other pair of expert 0.
+    from moewatch.runtime.engines import vllm_plugin
+
+    class Router:
+        def _apply_eplb_mapping(self, topk_ids):
+            slots = topk_ids.clone()
+            zero = (topk_ids == 0).reshape(-1).nonzero().reshape(-1)
+            slots.view(-1)[zero[1::2]] = 4
+            return slots
+
+    pmap = np.array([[0, 1, 2, 3, 0, 1]])
+    seen = []
+    weights = common.PairWeights(8, 2, "cpu")
+    rec = common.EngineRecorder(common.EngineSettings(window_steps=10), runtime="vllm", model="m", top_k=2,
+                                hidden_bytes=4, num_experts=4, weights=weights, world_size=2, sinks=[seen.append])
+    counter = rec.counter(0, num_slots=6)
+    router = Router()
+    vllm_plugin._count_slots(router, counter, rec)
+    rec.slot_map = lambda: pmap
+    rec.begin_step(3)
+    ids = torch.tensor([[0, 1], [0, 2], [3, 0], [1, 1]])  # the last token is padding
+    counter.add(ids)
+    assert router._apply_eplb_mapping(ids).tolist() == [[0, 1], [4, 2], [3, 0], [1, 1]]
+    rec.end_step()
+    rec.close()
+    (window,) = seen
+    assert window.expert_tokens.tolist() == [[3, 1, 1, 1]]
+    assert window.slot_tokens.tolist() == [[2, 1, 1, 1, 1, 0]]
+    assert window.num_slots == 6 and window.world_size == 2
+    assert "rank_load" not in window.missing_evidence and "cross_rank" in window.missing_evidence
