@@ -46,9 +46,13 @@ def register() -> None:
         return
     _state["registered"] = True
     _state["settings"] = settings
-    _wrap_runner_constructor()
-    _wrap_execute_model()
-    _wrap_shutdown()
+    try:
+        _wrap_runner_constructor()
+        _wrap_execute_model()
+        _wrap_shutdown()
+    except (ImportError, AttributeError) as exc:  # another vLLM layout: serve unobserved, say why
+        logger.warning("moewatch: this vLLM does not have the hooks the plugin binds to (%s); not observing", exc)
+        return
     atexit.register(close)
 
 

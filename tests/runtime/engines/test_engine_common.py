@@ -3,6 +3,8 @@ window built from logical counts, the folder sink."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -132,3 +134,17 @@ def test_slot_counts_and_the_map_in_force_make_rank_load_real():
     assert window.slot_tokens.tolist() == [[2, 1, 1, 1, 1, 0]]
     assert window.num_slots == 6 and window.world_size == 2
     assert "rank_load" not in window.missing_evidence and "cross_rank" in window.missing_evidence
+
+
+def test_recorder_ends_a_window_after_its_seconds():
+    seen = []
+    rec = common.EngineRecorder(common.EngineSettings(window_steps=None, window_seconds=0.001), runtime="vllm",
+                                model="m", top_k=1, hidden_bytes=4, num_experts=2,
+                                weights=common.PairWeights(4, 1, "cpu"), sinks=[seen.append])
+    counter = rec.counter(0)
+    for _ in range(2):
+        rec.begin_step(1)
+        counter.add(torch.tensor([[1]]))
+        time.sleep(0.01)  # past the window's 1 ms: the step that ends it closes the window
+        rec.end_step()
+    assert [w.steps for w in seen] == [1, 1] and [w.expert_tokens.tolist() for w in seen] == [[[0, 1]]] * 2
