@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import click
@@ -92,13 +93,15 @@ def _round(proc: subprocess.Popen) -> dict:
               help="Python of the environment vLLM is installed in (with moewatch installed into it).")
 @click.option("--model", default=None, help="Model folder; default: a tiny random Qwen3-MoE built here.")
 @click.option("--rounds", type=click.IntRange(1, 100), default=10, show_default=True, help="Rounds per engine.")
-@click.option("--prompts", "num_prompts", type=click.IntRange(1, 256), default=16, show_default=True)
+@click.option("--prompts", "num_prompts", type=click.IntRange(1, 256), default=64, show_default=True)
 @click.option("--prompt-len", type=click.IntRange(1, 400), default=64, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(1, 100), default=16, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1, 100), default=32, show_default=True)
+@click.option("--pause", type=click.FloatRange(0, 10), default=0.5, show_default=True,
+              help="Seconds between rounds, for the previous engine's threads to go idle.")
 @click.option("--compiled/--eager", default=False, show_default=True, help="torch.compile the model, or run eagerly.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result object only.")
 def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_len: int, max_tokens: int,
-         compiled: bool, as_json: bool) -> None:
+         pause: float, compiled: bool, as_json: bool) -> None:
     """Tokens/s of vLLM with the moewatch plugin active and inactive, interleaved; prints overhead_ratio."""
     if not Path(python).is_file():
         raise click.UsageError(f"--python: {python} does not exist (build it with `make vllm-env`)")
@@ -126,6 +129,9 @@ def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_l
             for i in range(rounds):
                 order = [("inactive", off), ("active", on)] if i % 2 == 0 else [("active", on), ("inactive", off)]
                 for name, proc in order:
+                    # The engine that just ran keeps its OpenMP threads spinning for a while: let them
+                    # settle, or they slow whichever engine runs next.
+                    time.sleep(pause)
                     results[name].append(_round(proc))
                 click.echo(f"round {i + 1}/{rounds}", err=True)
         finally:
@@ -143,7 +149,7 @@ def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_l
     cpu = [on_r["cpu_seconds"] / off_r["cpu_seconds"] for off_r, on_r in zip(results["inactive"], results["active"])]
     out = {"overhead_ratio": round(statistics.median(paired), 4), "overhead_ratio_cpu_time": round(statistics.median(cpu), 4), "tokens_per_second_inactive": round(inactive, 1),
            "tokens_per_second_active": round(active, 1), "rounds": rounds, "prompts": num_prompts,
-           "prompt_len": prompt_len, "max_tokens": max_tokens, "mode": "compiled" if compiled else "eager",
+           "prompt_len": prompt_len, "max_tokens": max_tokens, "pause_seconds": pause, "mode": "compiled" if compiled else "eager",
            "windows_written": written, "tokens_per_round": results["active"][0]["tokens"],
            "per_round_tokens_per_second": {k: [round(v, 1) for v in vs] for k, vs in tps.items()}}
     if as_json:
