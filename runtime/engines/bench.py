@@ -6,7 +6,9 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0): one with MOEWATCH_WINDOW_DIR set (plugin acti
 to a temporary folder), one without (plugin inactive). Rounds alternate between them, so a machine
 whose load drifts slows both alike. overhead_ratio = the median over rounds of tokens/s inactive /
 tokens/s active in that round (1.0 = no cost); overhead_ratio_cpu_time the same from each engine's
-own CPU seconds, which time spent descheduled by other work on a shared machine does not inflate. The model is a tiny random-weight Qwen3-MoE saved by transformers unless
+own CPU seconds, which time spent descheduled by other work on a shared machine does not inflate;
+plugin_seconds_per_step the plugin's own work per step (4 layers, one decode step of every prompt,
+a window every 20 steps), timed alone, to set against the step time when the ratios are noisy. The model is a tiny random-weight Qwen3-MoE saved by transformers unless
 --model names one. vLLM runs in its own environment (`make vllm-env`): --python points at it.
 """
 
@@ -43,6 +45,38 @@ def save_tiny_model(folder: str, seed: int = 0, layers: int = 4, experts: int = 
             if name.endswith(".gate.weight"):
                 param.normal_(0.0, 1.0)
     model.save_pretrained(folder)
+
+
+def recorder_seconds_per_step(layers: int = 4, experts: int = 16, top_k: int = 2, tokens: int = 64,
+                              window_steps: int = 20, steps: int = 2000) -> float:
+    """The plugin's own work per step, timed alone on this machine: arming and disarming the pair
+    weights, one counter add per layer, the eager layer timers, and each window's flush (to a list)."""
+    import torch
+
+    from .common import EngineRecorder, EngineSettings, PairWeights
+
+    windows: list = []
+    rec = EngineRecorder(EngineSettings(window_steps=window_steps), runtime="vllm", model="bench", top_k=top_k,
+                         hidden_bytes=1024, num_experts=experts, weights=PairWeights(8192, top_k, "cpu"),
+                         time_steps=True, sinks=[windows.append])
+    rec.layer_seconds = {}
+    counters = [rec.counter(i) for i in range(layers)]
+    ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
+
+    def step() -> None:
+        rec.begin_step(tokens)
+        for i, counter in enumerate(counters):
+            start = time.perf_counter()
+            counter.add(ids)
+            rec.layer_seconds[i] = rec.layer_seconds.get(i, 0.0) + (time.perf_counter() - start)
+        rec.end_step()
+
+    for _ in range(window_steps * 5):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps
 
 
 def _worker(model: str, prompts_path: str, max_tokens: int, compiled: bool) -> None:
@@ -147,10 +181,11 @@ def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_l
     paired = [off_r / on_r for off_r, on_r in zip(tps["inactive"], tps["active"])]
     # The engine's own CPU seconds per round: on a shared machine, time spent descheduled is not in it.
     cpu = [on_r["cpu_seconds"] / off_r["cpu_seconds"] for off_r, on_r in zip(results["inactive"], results["active"])]
+    self_seconds = recorder_seconds_per_step(tokens=num_prompts)
     out = {"overhead_ratio": round(statistics.median(paired), 4), "overhead_ratio_cpu_time": round(statistics.median(cpu), 4), "tokens_per_second_inactive": round(inactive, 1),
            "tokens_per_second_active": round(active, 1), "rounds": rounds, "prompts": num_prompts,
            "prompt_len": prompt_len, "max_tokens": max_tokens, "pause_seconds": pause, "mode": "compiled" if compiled else "eager",
-           "windows_written": written, "tokens_per_round": results["active"][0]["tokens"],
+           "windows_written": written, "plugin_seconds_per_step": round(self_seconds, 7), "tokens_per_round": results["active"][0]["tokens"],
            "per_round_tokens_per_second": {k: [round(v, 1) for v in vs] for k, vs in tps.items()}}
     if as_json:
         click.echo(json.dumps(out))
