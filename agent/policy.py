@@ -21,6 +21,7 @@ windows of the new epoch only, and says when to roll back.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -35,6 +36,9 @@ from moewatch.planner import metrics as pm
 from .store import TriagedWindow
 
 PLACEMENT_KINDS = ("replicate", "placement")
+# Engines that take no placement from outside: for their windows the agent works out what it would
+# change and says so, but never proposes a plan to send (docs/integrations.md).
+OBSERVE_ONLY_RUNTIMES = {"vllm": "vLLM takes no placement from outside: moewatch observes and recommends only"}
 KINDS = ("replicate", "placement", "capacity", "batch", "rollback")
 
 
@@ -231,6 +235,13 @@ def fitted_cost_model(windows: Sequence[TriagedWindow], migration_bandwidth: flo
 
 def decide(view: GroupView, cfg, now: float) -> Proposal:
     """The guardrails above, for one group; `cfg` is an AgentConfig (mode, K, cooldown, bounds...)."""
+    note = OBSERVE_ONLY_RUNTIMES.get(view.windows[-1].window.runtime) if view.windows else None
+    if note is not None and cfg.mode != "observe":
+        return _recommend_only(view, cfg, now, note)
+    return _decide(view, cfg, now)
+
+
+def _decide(view: GroupView, cfg, now: float) -> Proposal:
     windows = list(view.windows)
     k = cfg.persist_windows
     if cfg.mode == "observe" or len(windows) < k:
@@ -274,6 +285,16 @@ def decide(view: GroupView, cfg, now: float) -> Proposal:
                 for layer in kinds}
     summary = "; ".join(f"layer {layer}: {kind}" for layer, kind in sorted(kinds.items()))
     return Proposal(decisions, new_map, new_cap, tuple(sorted(kinds)), baseline, summary)
+
+
+def _recommend_only(view: GroupView, cfg, now: float, note: str) -> Proposal:
+    """The decisions for an engine that applies no plan: the planner still says what it would change
+    (as if placement were a lever), every such decision is a recommendation naming why, and no plan
+    leaves the agent, whatever the mode."""
+    view = dataclasses.replace(view, capabilities=view.capabilities | {"plan"})
+    proposal = _decide(view, dataclasses.replace(cfg, mode="recommend"), now)
+    return Proposal([Decision(d.kind, d.layers, d.result, f"{d.reason} ({note})", d.before, d.after)
+                     for d in proposal.decisions])
 
 
 def _label(verdict: str, cause: str | None) -> str:

@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "planner": ("moewatch.planner.bench:planner", "Placement quality and speed against DeepSeek's EPLB."),
     "probe": ("moewatch.runtime.bench:probe", "The probe's overhead on the forward step (on over off)."),
     "agent": ("moewatch.agent.bench:agent", "An agent process's CPU, memory, scrape time and lag at a window size and rate."),
+    "vllm": ("moewatch.runtime.engines.bench:vllm", "The vLLM plugin's cost: tokens/s active over inactive."),
 }
 
 

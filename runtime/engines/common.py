@@ -1,54 +1,333 @@
-"""What every in-engine adapter shares: where its Windows go, chosen by the environment.
+"""What every engine adapter shares: its settings from the environment, graph-safe pair counters,
+the window it builds from logical counts, and the sinks it hands windows to.
 
-- `MOEWATCH_SOCKET`: the agent's unix socket; windows go through the runtime's non-blocking Sender
-  (a bounded queue and a background thread: a slow or absent agent costs the engine nothing);
-- `MOEWATCH_WINDOW_DIR`: one JSON file per window, written to a temporary name and renamed, so a
-  reader never sees half a window.
-Neither set: no sinks, and the adapter stays out of the engine's way.
+An adapter (vllm_plugin.py, transformers_probe.py) sees only what the engine's router chose: logical
+top-k expert ids per token. From those it counts pairs per layer and logical expert on the device
+(`PairCounter`), and at flush builds a Window (`logical_window`) that carries what it measured and
+leaves out, as absent evidence (WINDOW.md), what it did not: rank-level counts when no slot counts
+were seen, timings when they could not be had without a host sync. Nothing is guessed.
+
+Sizes: L MoE layers, E logical experts, P slots, k experts per token, N tokens in a step.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
 
 from moewatch import wire
 from moewatch.telemetry import Window
 
-SOCKET_ENV = "MOEWATCH_SOCKET"
-WINDOW_DIR_ENV = "MOEWATCH_WINDOW_DIR"
+from ..sender import Sender
+
+ENV_SOCKET = "MOEWATCH_SOCKET"
+ENV_WINDOW_DIR = "MOEWATCH_WINDOW_DIR"
+ENV_WINDOW_STEPS = "MOEWATCH_WINDOW_STEPS"
+ENV_WINDOW_SECONDS = "MOEWATCH_WINDOW_SECONDS"
+ENV_MODEL = "MOEWATCH_MODEL"
+ENV_EP_GROUP = "MOEWATCH_EP_GROUP"
+DEFAULT_WINDOW_STEPS = 50
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Where windows go and how long one lasts. `window_steps` and `window_seconds`: whichever
+    comes first ends a window; at least one is set."""
+
+    socket: str | None = None
+    window_dir: str | None = None
+    window_steps: int | None = DEFAULT_WINDOW_STEPS
+    window_seconds: float | None = None
+    model: str | None = None
+    ep_group: str = "ep0"
+
+    def __post_init__(self) -> None:
+        if self.window_steps is None and self.window_seconds is None:
+            raise ValueError(f"{ENV_WINDOW_STEPS}: give a window length in steps or {ENV_WINDOW_SECONDS}")
+        if self.window_steps is not None and self.window_steps < 1:
+            raise ValueError(f"{ENV_WINDOW_STEPS}: must be a positive integer, got {self.window_steps}")
+        if self.window_seconds is not None and not self.window_seconds > 0:
+            raise ValueError(f"{ENV_WINDOW_SECONDS}: must be a positive number, got {self.window_seconds}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "EngineSettings | None":
+        """The settings, or None when neither MOEWATCH_SOCKET nor MOEWATCH_WINDOW_DIR is set (the
+        adapter then stays inactive). A malformed value raises ValueError naming the variable."""
+        env = os.environ if environ is None else environ
+        socket_path = env.get(ENV_SOCKET) or None
+        window_dir = env.get(ENV_WINDOW_DIR) or None
+        if socket_path is None and window_dir is None:
+            return None
+        steps_text, seconds_text = env.get(ENV_WINDOW_STEPS), env.get(ENV_WINDOW_SECONDS)
+        steps: int | None = DEFAULT_WINDOW_STEPS if not steps_text and not seconds_text else None
+        seconds: float | None = None
+        if steps_text:
+            try:
+                steps = int(steps_text)
+            except ValueError:
+                raise ValueError(f"{ENV_WINDOW_STEPS}: expected an integer, got {steps_text!r}") from None
+        if seconds_text:
+            try:
+                seconds = float(seconds_text)
+            except ValueError:
+                raise ValueError(f"{ENV_WINDOW_SECONDS}: expected a number, got {seconds_text!r}") from None
+        return cls(socket=socket_path, window_dir=window_dir, window_steps=steps, window_seconds=seconds,
+                   model=env.get(ENV_MODEL) or None, ep_group=env.get(ENV_EP_GROUP) or "ep0")
+
+
+class PairCounter:
+    """One MoE layer's pair counts, kept on the device in tensors allocated once.
+
+    `add(topk_ids)` is graph-safe: two in-place index_add_ into preallocated buffers, no host sync,
+    no allocation (slices are views), so it survives torch.compile and CUDA graph capture. Each pair
+    is weighted by the `weights` buffer (token-major, [max_tokens * k]), which the adapter sets on the
+    host between steps: ones over the real tokens of a real step, zeros otherwise, so warm-up,
+    profiling, dummy runs and padded tokens add nothing."""
+
+    def __init__(self, num_experts: int, weights: torch.Tensor, num_slots: int = 0):
+        self.counts = torch.zeros(num_experts, dtype=torch.int64, device=weights.device)
+        self.slot_counts = torch.zeros(num_slots, dtype=torch.int64, device=weights.device) if num_slots else None
+        self.weights = weights
+
+    def add(self, topk_ids: torch.Tensor) -> None:
+        ids = topk_ids.reshape(-1)
+        self.counts.index_add_(0, ids, self.weights[:ids.shape[0]])
+
+    def add_slots(self, physical_ids: torch.Tensor) -> None:
+        ids = physical_ids.reshape(-1)
+        self.slot_counts.index_add_(0, ids, self.weights[:ids.shape[0]])
+
+    def take(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """([E], [P] or None) counts since the last take, zeroed after (the one host read: at flush)."""
+        counts = self.counts.cpu().numpy().copy()
+        self.counts.zero_()
+        slots = None
+        if self.slot_counts is not None:
+            slots = self.slot_counts.cpu().numpy().copy()
+            self.slot_counts.zero_()
+        return counts, slots
+
+
+class PairWeights:
+    """The shared token-major weight buffer of a process's counters (see PairCounter)."""
+
+    def __init__(self, max_tokens: int, top_k: int, device: torch.device | str):
+        self.top_k = top_k
+        self.tensor = torch.zeros(max_tokens * top_k, dtype=torch.int64, device=device)
+        self._armed = 0
+
+    def arm(self, num_tokens: int) -> None:
+        """Count the first `num_tokens` tokens of the coming forward (host-side, between steps)."""
+        pairs = min(num_tokens * self.top_k, self.tensor.shape[0])
+        if pairs > self._armed:
+            self.tensor[self._armed:pairs].fill_(1)
+        elif pairs < self._armed:
+            self.tensor[pairs:self._armed].zero_()
+        self._armed = pairs
+
+    def disarm(self) -> None:
+        self.arm(0)
+
+
+def logical_window(*, runtime: str, model: str, ep_group: str, top_k: int, hidden_bytes: int,
+                   expert_tokens: np.ndarray, steps: int, start_time: float, end_time: float,
+                   world_size: int = 1, slot_tokens: np.ndarray | None = None,
+                   physical_to_logical_map: np.ndarray | None = None, layer_seconds: np.ndarray | None = None,
+                   step_seconds: Sequence[float] | None = None, step_tokens: Sequence[int] | None = None,
+                   extra: Mapping | None = None) -> Window:
+    """A Window from what an engine adapter measured. expert_tokens [L, E] always; slot_tokens [L, P]
+    with the map [L, P] in force when the engine has redundant slots (else P = E, identity map, and
+    rank-level counts are absent); layer_seconds [L, W] only when timed without a sync; per-step
+    data only when measured. Engines here drop no pairs and have no capacity factor: zeros."""
+    counts = np.asarray(expert_tokens, dtype=np.int64)
+    L, E = counts.shape
+    if physical_to_logical_map is None:
+        pmap = np.tile(np.arange(E, dtype=np.int64), (L, 1))
+    else:
+        pmap = np.asarray(physical_to_logical_map, dtype=np.int64)
+    P = pmap.shape[1]
+    fields = dict(
+        runtime=runtime, model=model, ep_group=ep_group, world_size=world_size, ranks_per_node=world_size,
+        num_layers=L, num_experts=E, num_slots=P, top_k=top_k, epoch=0, steps=steps,
+        start_time=start_time, end_time=max(end_time, start_time), hidden_bytes=hidden_bytes,
+        physical_to_logical_map=pmap, expert_tokens=counts, slot_tokens=slot_tokens,
+        dropped_tokens=np.zeros((L, E), dtype=np.int64), rerouted_tokens=np.zeros((L, E), dtype=np.int64),
+        capacity_factor=np.zeros(L), local_tokens=None, sent_tokens=None, received_tokens=None, traffic=None,
+        dispatch_seconds=None, combine_seconds=None, compute_seconds=None, layer_seconds=layer_seconds,
+        step_seconds=None if step_seconds is None else np.asarray(step_seconds, dtype=np.float64),
+        step_tokens=None if step_tokens is None else np.asarray(step_tokens, dtype=np.int64),
+        extra=dict(extra or {}),
+    )
+    return Window(**fields)
+
+
+class DirSink:
+    """One JSON file per window in a folder, written to a temporary name and renamed, so a reader
+    never sees half a window."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._seq = itertools.count()
+        self.written = 0
+
+    def __call__(self, window: Window) -> None:
+        name = f"window-{time.time_ns()}-{os.getpid()}-{next(self._seq):06d}.json"
+        tmp = self.folder / (name + ".tmp")
+        tmp.write_text(window.to_json())
+        os.replace(tmp, self.folder / name)
+        self.written += 1
+
+
+class WindowSinks:
+    """The sinks the settings ask for: the agent's socket (through the runtime's non-blocking
+    Sender, started on the first window) and/or a folder."""
+
+    def __init__(self, settings: EngineSettings, hello: Callable[[], wire.Hello]):
+        self.sender: Sender | None = Sender(settings.socket, hello=hello) if settings.socket else None
+        self.folder = DirSink(settings.window_dir) if settings.window_dir else None
+        self._started = False
+
+    def __call__(self, window: Window) -> None:
+        if self.folder is not None:
+            self.folder(window)
+        if self.sender is not None:
+            if not self._started:
+                self.sender.start()
+                self._started = True
+            self.sender.send_window(window)
+
+    def close(self) -> None:
+        if self.sender is not None and self._started:
+            self.sender.close()
+            self._started = False
+
+
+def hello_for(window_like: Mapping, runtime: str) -> wire.Hello:
+    """The Hello of an engine that takes no plans (no capabilities)."""
+    return wire.Hello(runtime=runtime, model=window_like["model"], ep_group=window_like["ep_group"],
+                      world_size=window_like["world_size"], num_layers=window_like["num_layers"],
+                      num_experts=window_like["num_experts"], num_slots=window_like["num_slots"],
+                      ranks_per_node=window_like["world_size"], pid=os.getpid(), capabilities=())
+
+
+class EngineRecorder:
+    """One process's counters and the window they add up to, for an adapter that marks steps.
+
+    The adapter calls `counter(layer_id)` once per MoE layer when it binds (layers are numbered by
+    the engine's own index; the window lists them in that order, their ids under `layer_ids`),
+    `begin_step(n)` / `end_step()` around each real forward, and `close()` at shutdown. A window
+    ends after `window_steps` steps or `window_seconds`, whichever comes first."""
+
+    def __init__(self, settings: EngineSettings, *, runtime: str, model: str, top_k: int, hidden_bytes: int,
+                 num_experts: int, weights: PairWeights, world_size: int = 1, time_steps: bool = False,
+                 sinks: Sequence[Callable[[Window], object]] = ()):
+        self.settings = settings
+        self.runtime, self.model, self.top_k, self.hidden_bytes = runtime, model, top_k, hidden_bytes
+        self.num_experts, self.world_size = num_experts, world_size
+        self.weights = weights
+        self.time_steps = time_steps
+        self.counters: dict[int, PairCounter] = {}
+        self.layer_seconds: dict[int, float] | None = None  # set by an adapter that times layers
+        self.slot_map: Callable[[], np.ndarray] | None = None  # [L, P] map in force, when slots are counted
+        self._identity: dict = {}
+        self.extra_sinks = list(sinks)
+        self.sinks = (WindowSinks(settings, hello=lambda: hello_for(self._identity, runtime))
+                      if settings.socket or settings.window_dir else None)
+        self.windows_built = 0
+        self.last_error = ""
+        self._reset()
+
+    def counter(self, layer_id: int, num_slots: int = 0) -> PairCounter:
+        if layer_id not in self.counters:
+            self.counters[layer_id] = PairCounter(self.num_experts, self.weights.tensor, num_slots)
+        return self.counters[layer_id]
+
+    def _reset(self) -> None:
+        self.steps = 0
+        self._step_seconds: list[float] = []
+        self._step_tokens: list[int] = []
+        self._start_unix = 0.0
+        self._start_wall = 0.0
+        if self.layer_seconds is not None:
+            self.layer_seconds = dict.fromkeys(self.layer_seconds, 0.0)
+
+    def begin_step(self, num_tokens: int) -> None:
+        if self.steps == 0:
+            self._start_unix, self._start_wall = time.time(), time.perf_counter()
+        self._step_tokens.append(int(num_tokens))
+        self.weights.arm(int(num_tokens))
+        self._step_start = time.perf_counter()
+
+    def end_step(self) -> Window | None:
+        self._step_seconds.append(time.perf_counter() - self._step_start)
+        self.weights.disarm()
+        self.steps += 1
+        s = self.settings
+        if (s.window_steps is not None and self.steps >= s.window_steps) or (
+                s.window_seconds is not None and time.perf_counter() - self._start_wall >= s.window_seconds):
+            return self.flush()
+        return None
+
+    def flush(self) -> Window | None:
+        """Build the window of the steps so far and hand it to the sinks (None when there were none)."""
+        if self.steps == 0 or not self.counters:
+            return None
+        ids = sorted(self.counters)
+        taken = [self.counters[i].take() for i in ids]
+        slots = None
+        pmap = None
+        if self.slot_map is not None and all(t[1] is not None for t in taken):
+            slots = np.stack([t[1] for t in taken])
+            pmap = self.slot_map()
+        layer_seconds = None
+        if self.layer_seconds is not None:
+            layer_seconds = np.array([[self.layer_seconds.get(i, 0.0)] for i in ids])
+        try:
+            window = logical_window(
+                runtime=self.runtime, model=self.model, ep_group=self.settings.ep_group, top_k=self.top_k,
+                hidden_bytes=self.hidden_bytes, expert_tokens=np.stack([t[0] for t in taken]), steps=self.steps,
+                start_time=self._start_unix, end_time=time.time(), world_size=self.world_size,
+                slot_tokens=slots, physical_to_logical_map=pmap, layer_seconds=layer_seconds,
+                step_seconds=self._step_seconds if self.time_steps else None, step_tokens=self._step_tokens,
+                extra={"layer_ids": ids})
+        except ValueError as exc:  # never take the engine down for a window: count it and go on
+            self.last_error = str(exc)
+            self._reset()
+            return None
+        self._reset()
+        self._identity = {name: getattr(window, name) for name in
+                          ("model", "ep_group", "world_size", "num_layers", "num_experts", "num_slots")}
+        self.windows_built += 1
+        if self.sinks is not None:
+            self.sinks(window)
+        for sink in self.extra_sinks:
+            sink(window)
+        return window
+
+    def close(self) -> None:
+        self.flush()
+        if self.sinks is not None:
+            self.sinks.close()
+
 
 Sink = Callable[[Window], object]
 
 
-class DirectorySink:
-    """Each window as `window-<end_time>-<pid>-<n>.json` in `folder`, atomically."""
-
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._seq = itertools.count()
-
-    def __call__(self, window: Window) -> Path:
-        name = f"window-{window.end_time:.6f}-{os.getpid()}-{next(self._seq)}.json"
-        tmp = self.folder / f".{name}.tmp"
-        tmp.write_text(window.to_json())
-        return tmp.replace(self.folder / name)
-
-
-def env_sinks(hello: Callable[[], wire.Hello], environ: Mapping[str, str] | None = None) -> tuple[list[Sink], list]:
-    """(sinks, closers) from MOEWATCH_SOCKET / MOEWATCH_WINDOW_DIR; both empty when neither is set."""
-    environ = os.environ if environ is None else environ
-    sinks: list[Sink] = []
-    closers: list = []
-    if environ.get(SOCKET_ENV):
-        from moewatch.runtime.sender import Sender  # the runtime's sender: no torch at import
-
-        sender = Sender(environ[SOCKET_ENV], hello).start()
-        sinks.append(sender.send_window)
-        closers.append(sender.close)
-    if environ.get(WINDOW_DIR_ENV):
-        sinks.append(DirectorySink(environ[WINDOW_DIR_ENV]))
-    return sinks, closers
+def env_sinks(hello: Callable[[], wire.Hello],
+              environ: Mapping[str, str] | None = None) -> tuple[list[Sink], list[Callable[[], None]]]:
+    """(sinks, closers) from MOEWATCH_SOCKET / MOEWATCH_WINDOW_DIR, for an adapter that ends its
+    windows itself (the SGLang hook flushes on a timer); both empty when neither is set."""
+    env = os.environ if environ is None else environ
+    socket_path, folder = env.get(ENV_SOCKET) or None, env.get(ENV_WINDOW_DIR) or None
+    if socket_path is None and folder is None:
+        return [], []
+    sinks = WindowSinks(EngineSettings(socket=socket_path, window_dir=folder), hello)
+    return [sinks], [sinks.close]

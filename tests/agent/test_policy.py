@@ -198,3 +198,15 @@ def test_every_skipped_decision_carries_numbers(helpers):
         assert proposal.decisions and all(d.result == "skipped" for d in proposal.decisions)
         assert all(d.before.get("balancedness", d.before.get("model_balancedness")) is not None
                    for d in proposal.decisions)
+
+
+def test_a_vllm_source_gets_recommendations_never_a_plan(helpers):
+    # vLLM takes no placement from outside: even in act mode the agent only says what it would change.
+    windows = [TriagedWindow(t.window.replace(runtime="vllm"), t.diagnosis, t.received_at)
+               for t in triaged(helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 3)]
+    proposal = policy.decide(view(windows, capabilities=frozenset()), cfg(mode="act"), 0.0)
+    assert not proposal.has_plan
+    assert {d.result for d in proposal.decisions} == {"recommended"}
+    assert {d.kind for d in proposal.decisions} == {"replicate"}
+    assert all("vLLM takes no placement from outside" in d.reason for d in proposal.decisions)
+    assert policy.decide(view(windows), cfg(mode="observe"), 0.0).decisions == []

@@ -1,0 +1,199 @@
+"""`moewatch bench vllm`: what the plugin costs vLLM, as tokens per second with it active over
+without it, on the same prompts, interleaved in one run.
+
+Two vLLM engines run side by side, each in its own process (in-process engine,
+VLLM_ENABLE_V1_MULTIPROCESSING=0): one with MOEWATCH_WINDOW_DIR set (plugin active, windows written
+to a temporary folder), one without (plugin inactive). Rounds alternate between them, so a machine
+whose load drifts slows both alike. overhead_ratio = the median over rounds of tokens/s inactive /
+tokens/s active in that round (1.0 = no cost); overhead_ratio_cpu_time the same from each engine's
+own CPU seconds, which time spent descheduled by other work on a shared machine does not inflate;
+plugin_seconds_per_step the plugin's own work per step (4 layers, one decode step of every prompt,
+a window every 20 steps), timed alone, to set against the step time when the ratios are noisy. The model is a tiny random-weight Qwen3-MoE saved by transformers unless
+--model names one. vLLM runs in its own environment (`make vllm-env`): --python points at it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+DEFAULT_PYTHON = ".venv-vllm/bin/python"
+
+
+def save_tiny_model(folder: str, seed: int = 0, layers: int = 4, experts: int = 16) -> None:
+    """A small Qwen3-MoE with random weights (distinct per layer), saved by transformers."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, num_experts=experts,
+        num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".gate.weight"):
+                param.normal_(0.0, 1.0)
+    model.save_pretrained(folder)
+
+
+def recorder_seconds_per_step(layers: int = 4, experts: int = 16, top_k: int = 2, tokens: int = 64,
+                              window_steps: int = 20, steps: int = 2000) -> float:
+    """The plugin's own work per step, timed alone on this machine: arming and disarming the pair
+    weights, one counter add per layer, the eager layer timers, and each window's flush (to a list)."""
+    import torch
+
+    from .common import EngineRecorder, EngineSettings, PairWeights
+
+    windows: list = []
+    rec = EngineRecorder(EngineSettings(window_steps=window_steps), runtime="vllm", model="bench", top_k=top_k,
+                         hidden_bytes=1024, num_experts=experts, weights=PairWeights(8192, top_k, "cpu"),
+                         time_steps=True, sinks=[windows.append])
+    rec.layer_seconds = {}
+    counters = [rec.counter(i) for i in range(layers)]
+    ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
+
+    def step() -> None:
+        rec.begin_step(tokens)
+        for i, counter in enumerate(counters):
+            start = time.perf_counter()
+            counter.add(ids)
+            rec.layer_seconds[i] = rec.layer_seconds.get(i, 0.0) + (time.perf_counter() - start)
+        rec.end_step()
+
+    for _ in range(window_steps * 5):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps
+
+
+def _worker(model: str, prompts_path: str, max_tokens: int, compiled: bool) -> None:
+    """One engine, driven over stdin/stdout: prints `ready`, then one JSON line per `run`."""
+    import time
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(Path(prompts_path).read_text())]
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=not compiled, dtype="float32",
+              max_model_len=512, enable_prefix_caching=False, seed=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # first-call costs out of the measurement
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        start, cpu_start = time.perf_counter(), time.process_time()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        tokens = sum(len(r.prompt_token_ids) + len(r.outputs[0].token_ids) for r in results)
+        print(json.dumps({"tokens": tokens, "seconds": seconds, "cpu_seconds": cpu_seconds}), flush=True)
+    del llm
+
+
+def _start(python: str, args: list[str], env: dict) -> subprocess.Popen:
+    proc = subprocess.Popen([python, "-m", "moewatch.runtime.engines.bench", *args], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    for line in proc.stdout:
+        if line.strip() == "ready":
+            return proc
+    raise click.ClickException(f"the vLLM engine exited before it was ready (exit {proc.wait()}); "
+                               f"try `{python} -c 'import vllm'`")
+
+
+def _round(proc: subprocess.Popen) -> dict:
+    proc.stdin.write("run\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise click.ClickException(f"the vLLM engine exited during a round (exit {proc.wait()})")
+    return json.loads(line)
+
+
+@click.command("vllm")
+@click.option("--python", "python", default=DEFAULT_PYTHON, show_default=True,
+              help="Python of the environment vLLM is installed in (with moewatch installed into it).")
+@click.option("--model", default=None, help="Model folder; default: a tiny random Qwen3-MoE built here.")
+@click.option("--rounds", type=click.IntRange(1, 100), default=10, show_default=True, help="Rounds per engine.")
+@click.option("--prompts", "num_prompts", type=click.IntRange(1, 256), default=64, show_default=True)
+@click.option("--prompt-len", type=click.IntRange(1, 400), default=64, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1, 100), default=32, show_default=True)
+@click.option("--pause", type=click.FloatRange(0, 10), default=0.5, show_default=True,
+              help="Seconds between rounds, for the previous engine's threads to go idle.")
+@click.option("--compiled/--eager", default=False, show_default=True, help="torch.compile the model, or run eagerly.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result object only.")
+def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_len: int, max_tokens: int,
+         pause: float, compiled: bool, as_json: bool) -> None:
+    """Tokens/s of vLLM with the moewatch plugin active and inactive, interleaved; prints overhead_ratio."""
+    if not Path(python).is_file():
+        raise click.UsageError(f"--python: {python} does not exist (build it with `make vllm-env`)")
+    import random
+
+    with tempfile.TemporaryDirectory(prefix="moewatch-bench-vllm-") as tmp:
+        if model is None:
+            click.echo("building a tiny random Qwen3-MoE ...", err=True)
+            model = str(Path(tmp) / "model")
+            subprocess.run([python, "-c", f"from moewatch.runtime.engines.bench import save_tiny_model as s; s({model!r})"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(1024) for _ in range(prompt_len)] for _ in range(num_prompts)]
+        prompts_path = Path(tmp) / "prompts.json"
+        prompts_path.write_text(json.dumps(prompts))
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MOEWATCH_")}
+        base.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=base.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        args = ["--worker", model, str(prompts_path), str(max_tokens)] + (["--compiled"] if compiled else [])
+        windows = Path(tmp) / "windows"
+        click.echo("starting two engines (plugin inactive, active) ...", err=True)
+        off = _start(python, args, base)
+        on = _start(python, args, {**base, "MOEWATCH_WINDOW_DIR": str(windows), "MOEWATCH_WINDOW_STEPS": "20"})
+        results: dict[str, list[dict]] = {"inactive": [], "active": []}
+        try:
+            for i in range(rounds):
+                order = [("inactive", off), ("active", on)] if i % 2 == 0 else [("active", on), ("inactive", off)]
+                for name, proc in order:
+                    # The engine that just ran keeps its OpenMP threads spinning for a while: let them
+                    # settle, or they slow whichever engine runs next.
+                    time.sleep(pause)
+                    results[name].append(_round(proc))
+                click.echo(f"round {i + 1}/{rounds}", err=True)
+        finally:
+            for proc in (off, on):
+                if proc.poll() is None:
+                    proc.stdin.close()
+                    proc.wait(timeout=120)
+        written = len(list(windows.glob("*.json"))) if windows.is_dir() else 0
+    tps = {name: [r["tokens"] / r["seconds"] for r in rs] for name, rs in results.items()}
+    inactive, active = statistics.median(tps["inactive"]), statistics.median(tps["active"])
+    # Each round pairs the two engines back to back on the same prompts: the median of the paired
+    # ratios resists load that drifts between rounds better than a ratio of medians.
+    paired = [off_r / on_r for off_r, on_r in zip(tps["inactive"], tps["active"])]
+    # The engine's own CPU seconds per round: on a shared machine, time spent descheduled is not in it.
+    cpu = [on_r["cpu_seconds"] / off_r["cpu_seconds"] for off_r, on_r in zip(results["inactive"], results["active"])]
+    self_seconds = recorder_seconds_per_step(tokens=num_prompts)
+    out = {"overhead_ratio": round(statistics.median(paired), 4), "overhead_ratio_cpu_time": round(statistics.median(cpu), 4), "tokens_per_second_inactive": round(inactive, 1),
+           "tokens_per_second_active": round(active, 1), "rounds": rounds, "prompts": num_prompts,
+           "prompt_len": prompt_len, "max_tokens": max_tokens, "pause_seconds": pause, "mode": "compiled" if compiled else "eager",
+           "windows_written": written, "plugin_seconds_per_step": round(self_seconds, 7), "tokens_per_round": results["active"][0]["tokens"],
+           "per_round_tokens_per_second": {k: [round(v, 1) for v in vs] for k, vs in tps.items()}}
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    click.echo(f"vLLM {out['mode']}: {inactive:.0f} tok/s inactive, {active:.0f} tok/s active, "
+               f"overhead_ratio {out['overhead_ratio']:.4f} ({rounds} interleaved rounds, {written} windows written)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), "--compiled" in sys.argv[5:])

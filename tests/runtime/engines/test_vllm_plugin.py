@@ -1,0 +1,206 @@
+"""A real vLLM (CPU build, in .venv-vllm) serving a tiny random-weight MoE with moewatch's plugin
+active: the windows' expert counts equal, for every layer and expert, the histogram transformers
+computes on the same weights and tokens (float32). Two engine starts cover eager and compiled,
+multiprocessing on and off, TP=2 (whose counts must not double) and one rank: eager + worker
+processes + TP=2, then compiled in-process (compiling once, not on two ranks, keeps it short). The
+first also sends its windows to a running agent, whose /metrics then shows the layers with the
+evidence that vLLM could not give marked missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from moewatch.telemetry import Window
+
+REPO = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+DRIVER = Path(__file__).parent / "vllm_driver.py"
+EXPERTS, TOP_K, VOCAB = 16, 2, 512
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """(model folder, prompts file, prompts): distinct random weights per layer, saved by transformers."""
+    folder = tmp_path_factory.mktemp("vllm")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=256, num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".gate.weight"):
+                param.normal_(0.0, 1.0)
+    model.save_pretrained(folder / "model")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 33, 9, 24, 2)]
+    (folder / "prompts.json").write_text(json.dumps(prompts))
+    return folder / "model", folder / "prompts.json", prompts
+
+
+def transformers_histogram(model_dir: Path, sequences: list[list[int]]) -> np.ndarray:
+    """[L, E] pairs per layer and expert: transformers' own router on each sequence, top-k of its logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    logits: dict[int, torch.Tensor] = {}
+    for i, router in enumerate(routers):
+        router.register_forward_hook(lambda m, a, out, i=i: logits.__setitem__(i, out[0]))
+    counts = np.zeros((len(routers), EXPERTS), dtype=np.int64)
+    with torch.no_grad():
+        for seq in sequences:
+            model(input_ids=torch.tensor([seq]))
+            for i in range(len(routers)):
+                chosen = torch.topk(logits[i], TOP_K, dim=-1).indices
+                counts[i] += np.bincount(chosen.reshape(-1).numpy(), minlength=EXPERTS)
+    return counts
+
+
+def run_vllm(tiny_model, out: Path, *, compiled: bool, multiprocessing: bool, tp: int = 1,
+             socket: str | None = None) -> tuple[list[Window], list[Path], list[list[int]]]:
+    """Serve the prompts once (3 tokens each); returns (windows, their files, tokens each prompt generated)."""
+    assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment"
+    model_dir, prompts_path, _ = tiny_model
+    windows_dir = out / "windows"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOEWATCH_", "VLLM_"))}
+    env.update(MOEWATCH_WINDOW_DIR=str(windows_dir), MOEWATCH_WINDOW_STEPS="2", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0")
+    if socket:
+        env["MOEWATCH_SOCKET"] = socket
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    args = [str(VLLM_PYTHON), str(DRIVER), str(model_dir), str(prompts_path), str(out / "out.json"), "--tp", str(tp)]
+    proc = subprocess.run(args + (["--compiled"] if compiled else []), env=env, capture_output=True, text=True,
+                          timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    files = sorted(windows_dir.glob("*"))
+    assert files and all(f.suffix == ".json" for f in files), [f.name for f in files]  # renamed into place
+    windows = [Window.from_json(f.read_text()) for f in files]
+    return windows, files, json.loads((out / "out.json").read_text())["generated"]
+
+
+def check_counts(windows: list[Window], tiny_model, generated) -> None:
+    model_dir, _, prompts = tiny_model
+    # vLLM computes each prompt and every generated token but the last (never fed back).
+    sequences = [p + g[:-1] for p, g in zip(prompts, generated)]
+    expected = transformers_histogram(model_dir, sequences)
+    got = sum(w.expert_tokens for w in windows)
+    np.testing.assert_array_equal(got, expected)
+    assert sum(int(w.step_tokens.sum()) for w in windows) == sum(len(s) for s in sequences)
+    for w in windows:
+        assert (w.runtime, w.world_size, w.num_experts, w.top_k) == ("vllm", 1, EXPERTS, TOP_K)
+        assert w.model.rstrip("/").endswith(model_dir.name)
+        assert w.extra["layer_ids"] == [0, 1, 2]
+        # vLLM gives logical counts only: rank-level counts and the phase split are absent.
+        assert w.slot_tokens is None and w.sent_tokens is None and w.dispatch_seconds is None
+    assert len(windows) >= 2  # flushed every 2 steps, and the rest at shutdown
+
+
+@pytest.mark.slow
+def test_eager_multiprocess_tp2_counts_equal_transformers_not_doubled_and_reach_the_agent(tiny_model, tmp_path):
+    from moewatch.agent.config import build_config
+    from moewatch.agent.daemon import Daemon
+
+    short = Path(tempfile.mkdtemp(prefix="mwv-", dir="/tmp"))
+    sock = str(short / "agent.sock")
+    daemon = Daemon(build_config(flags={"socket": sock, "listen": "127.0.0.1:0", "audit_log": str(short / "audit.jsonl"),
+                                        "triage_interval_seconds": 0.05, "export_interval_seconds": 0.2},
+                                 environ={})).start()
+    try:
+        windows, files, generated = run_vllm(tiny_model, tmp_path, compiled=False, multiprocessing=True, tp=2,
+                                             socket=sock)
+        check_counts(windows, tiny_model, generated)
+        # CPU eager: per-layer MoE time and per-step time are measured (perf_counter, no sync).
+        assert all(w.layer_seconds is not None and (w.layer_seconds > 0).all() for w in windows)
+        assert all(w.step_seconds is not None for w in windows)
+
+        diagnose = subprocess.run([sys.executable, "-m", "moewatch.cli", "diagnose", str(files[0]), "--json"],
+                                  capture_output=True, text=True, timeout=60)
+        assert diagnose.returncode == 0, diagnose.stderr
+        assert [layer["layer"] for layer in json.loads(diagnose.stdout)["layers"]] == [0, 1, 2]
+
+        model = windows[0].model
+        deadline = time.monotonic() + 20
+        text = ""
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(daemon.http_url + "/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            if f'moewatch_windows_total{{ep_group="ep0",model="{model}"}} {float(len(windows))}' in text:
+                break
+            time.sleep(0.2)
+        routed = {line for line in text.splitlines()
+                  if line.startswith("moewatch_layer_routed_pairs_total{") and f'model="{model}"' in line}
+        assert len(routed) == 3, text[-3000:]
+        total = sum(float(line.rpartition(" ")[2]) for line in routed)
+        assert total == sum(int(w.expert_tokens.sum()) for w in windows)
+        check_missing_evidence_marked(text, model)
+    finally:
+        daemon.stop()
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def check_missing_evidence_marked(text: str, model: str) -> None:
+    """Each layer's series say which evidence vLLM could not give (1) and which it measured (0)."""
+    marks: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if line.startswith("moewatch_layer_evidence_missing{") and f'model="{model}"' in line:
+            head, _, value = line.rpartition(" ")
+            labels = dict(part.split("=", 1) for part in head[head.index("{") + 1:-1].split(","))
+            marks[(labels["layer"].strip('"'), labels["evidence"].strip('"'))] = float(value)
+    for layer in ("0", "1", "2"):
+        for kind in ("a2a_time", "rank_load", "cross_rank", "compute_time"):
+            assert marks.get((layer, kind)) == 1.0, (layer, kind, marks)
+        for kind in ("layer_time", "steps", "capacity"):  # measured on the CPU in eager mode
+            assert marks.get((layer, kind)) == 0.0, (layer, kind, marks)
+    # What needs absent evidence has no series for these layers, rather than a guessed number.
+    assert not any(line.startswith(("moewatch_layer_a2a_share_ratio{", "moewatch_layer_balancedness_ratio{"))
+                   and f'model="{model}"' in line for line in text.splitlines())
+    assert any(line.startswith("moewatch_layer_expert_load_cv_ratio{") and f'model="{model}"' in line
+               for line in text.splitlines())
+
+
+@pytest.mark.slow
+def test_compiled_in_process_counts_equal_transformers(tiny_model, tmp_path):
+    windows, _, generated = run_vllm(tiny_model, tmp_path, compiled=True, multiprocessing=False)
+    check_counts(windows, tiny_model, generated)
+    # Compiled: no per-layer timing without a sync, so it is absent rather than guessed.
+    assert all(w.layer_seconds is None for w in windows)
+
+
+@pytest.mark.slow
+def test_vllm_loads_the_plugin_which_stays_inactive_without_a_destination():
+    assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment"
+    # (Active, it is what produced the windows above.) Inactive, it binds nothing and wraps nothing:
+    # not even the MoE layer's module is imported.
+    probe = """
+import sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+loaded = 'moewatch.runtime.engines.vllm_plugin' in sys.modules
+from moewatch.runtime.engines import vllm_plugin
+print(loaded, vllm_plugin._state['registered'], 'vllm.model_executor.layers.fused_moe.runner.moe_runner' in sys.modules)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEWATCH_")}
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", probe], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.stdout.split()[-3:] == ["True", "False", "False"], proc.stderr[-2000:]
+
+
+def test_bench_vllm_refuses_a_missing_environment_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "moewatch.cli", "bench", "vllm", "--python", "/nonexistent/python",
+                           "--json"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "--python: /nonexistent/python does not exist" in proc.stderr and "Traceback" not in proc.stderr
