@@ -140,4 +140,7 @@ def test_out_of_descriptors_is_logged_once_refused_and_does_not_spin(short_tmp, 
     # Each failed accept pauses the listeners for half a second: a handful over the flood, where a
     # spinning loop fails tens of thousands of times.
     assert failures < 50, failures
-    assert err.count("out of file descriptors") == 1, err
+    # Once per listener: the socket's accept loop always hits it; the HTTP listener may too when the
+    # probe above arrives before the agent has seen the peers go.
+    assert err.count("moewatch.agent.receiver:out of file descriptors") == 1, err
+    assert err.count("moewatch.agent.health:http: out of file descriptors") <= 1, err
