@@ -158,8 +158,9 @@ class AgentConfig:
     # --- SGLang as a window source (observe and recommend without a probe in SGLang)
     sglang_dump_dir: str = _f("", "SGLang's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR: each new expert-distribution "
                                   "dump becomes one window (empty: not watched)")
-    sglang_metrics_url: str = _f("", "SGLang's /metrics URL: sglang:eplb_gpu_physical_count is scraped into per-rank "
-                                     "load per layer (empty: not scraped)")
+    sglang_metrics_url: str = _f("", "SGLang's /metrics URL: sglang:eplb_gpu_physical_count is scraped into windows "
+                                     "of per-rank load per layer, one per pair of scrapes; needs sglang_placement_file "
+                                     "or sglang_num_experts (empty: not scraped)")
     sglang_poll_seconds: float = _f(15.0, "how often the SGLang dump folder is checked and /metrics scraped",
                                     kind=float, lo=0.1, hi=86_400)
     sglang_placement_file: str = _f("", "the --init-expert-location JSON SGLang was started with: the placement of the "
