@@ -79,8 +79,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "1 for the layer's current verdict and cause, 0 for the others it had."),
     MetricSpec("moewatch_layer_evidence_missing", "gauge", (*LAYER, "evidence"),
                "1 when the layer's latest window lacked this evidence (a2a_time, rank_load, cross_rank, capacity, "
-               "compute_time, layer_time, steps): that triage step was unknown and its series are absent; 0 when "
-               "measured."),
+               "compute_time, layer_time, steps, expert_load): that triage step was unknown and its series are "
+               "absent; 0 when measured."),
     MetricSpec("moewatch_layer_expert_load_share", "histogram", LAYER,
                "Each expert's pairs over the layer's mean expert pairs, one observation per expert per window "
                "(a heatmap of routing skew)."),

@@ -158,10 +158,16 @@ class AgentConfig:
     # --- SGLang as a window source (observe and recommend without a probe in SGLang)
     sglang_dump_dir: str = _f("", "SGLang's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR: each new expert-distribution "
                                   "dump becomes one window (empty: not watched)")
-    sglang_metrics_url: str = _f("", "SGLang's /metrics URL: sglang:eplb_gpu_physical_count is scraped into per-rank "
-                                     "load per layer (empty: not scraped)")
+    sglang_metrics_url: str = _f("", "SGLang's /metrics URL: sglang:eplb_gpu_physical_count is scraped into windows "
+                                     "of per-rank load per layer, one per pair of scrapes; needs sglang_placement_file "
+                                     "or sglang_num_experts (empty: not scraped)")
     sglang_poll_seconds: float = _f(15.0, "how often the SGLang dump folder is checked and /metrics scraped",
                                     kind=float, lo=0.1, hi=86_400)
+    sglang_placement_file: str = _f("", "the --init-expert-location JSON SGLang was started with: the placement of the "
+                                        "/metrics windows (read at each window; empty: see sglang_num_experts)")
+    sglang_num_experts: int = _f(0, "logical experts per layer, for SGLang's default placement (slot s holds expert "
+                                    "s; no redundant experts) when sglang_placement_file is empty (0: unknown)",
+                                 kind=int, lo=0, hi=1 << 20)
     sglang_model: str = _f("sglang", "model name of the windows read from SGLang (a metric label)")
     sglang_ep_group: str = _f("ep0", "EP group name of the windows read from SGLang (a metric label)")
     # --- files and logs
@@ -198,6 +204,11 @@ class AgentConfig:
             parsed = urllib.parse.urlsplit(self.sglang_metrics_url)
             if parsed.scheme not in ("http", "https") or not parsed.hostname:
                 raise ConfigError(f"sglang_metrics_url: expected http://HOST:PORT/metrics, got {self.sglang_metrics_url!r}")
+            if not self.sglang_placement_file and not self.sglang_num_experts:
+                # The exposition says nothing of the placement, and a window must state it.
+                raise ConfigError("sglang_metrics_url: its windows need the placement in force: set "
+                                  "sglang_placement_file (the --init-expert-location file) or sglang_num_experts "
+                                  "(SGLang's default placement)")
 
     @property
     def socket_mode_bits(self) -> int:

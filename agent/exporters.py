@@ -317,22 +317,23 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
         per_step = (rank_load / steps).tolist()
         state.set_many("moewatch_rank_load_pairs", [(key, value) for keys, values in zip(rank_keys, per_step)
                                                     for key, value in zip(keys, values)])
-    state.inc_many("moewatch_layer_routed_pairs_total", [(layer_keys[d.layer], d.metrics["routed_pairs"])
-                                                         for d in diagnosis.layers])
-    for metric, key in (("moewatch_layer_dropped_pairs_total", "dropped_pairs"),
+    for metric, key in (("moewatch_layer_routed_pairs_total", "routed_pairs"),
+                        ("moewatch_layer_dropped_pairs_total", "dropped_pairs"),
                         ("moewatch_layer_rerouted_pairs_total", "rerouted_pairs")):
         state.inc_many(metric, [(layer_keys[d.layer], d.metrics[key]) for d in diagnosis.layers
                                 if d.metrics[key] is not None])
-    expert_load = w.expert_tokens.astype(np.float64)
-    expert_mean = expert_load.mean(axis=1, keepdims=True)
-    expert_share = np.divide(expert_load, expert_mean, out=np.zeros_like(expert_load), where=expert_mean > 0)
+    # Per-expert series need per-expert counts (a window of per-rank totals has none).
+    expert_load = None if w.expert_tokens is None else w.expert_tokens.astype(np.float64)
+    if expert_load is not None:
+        expert_mean = expert_load.mean(axis=1, keepdims=True)
+        expert_share = np.divide(expert_load, expert_mean, out=np.zeros_like(expert_load), where=expert_mean > 0)
     verdicts, runs = [], []
     for d in diagnosis.layers:
         layer = layer_keys[d.layer]
         # The group's all-to-all per step: the slowest rank's (a collective ends when its last rank does).
         if d.metrics["a2a_seconds_per_step"] is not None:
             state.observe("moewatch_layer_a2a_step_seconds", layer, [d.metrics["a2a_seconds_per_step"]])
-        if expert_mean[d.layer, 0] > 0:
+        if expert_load is not None and expert_mean[d.layer, 0] > 0:
             state.observe("moewatch_layer_expert_load_share", layer, expert_share[d.layer])
         # The verdict gauge: 1 for the current (verdict, cause), 0 for the others this layer had.
         current = (d.verdict, d.cause or "none")
@@ -350,7 +351,7 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
         state.remove_many("moewatch_rank_compute_seconds", group_ranks)
     else:
         state.set_many("moewatch_rank_compute_seconds", zip(group_ranks, (w.compute_seconds.sum(axis=0) / steps).tolist()))
-    if expert_metrics:
+    if expert_metrics and expert_load is not None:
         _record_experts(state, memory, w, group)
     state.set("moewatch_epoch", group, w.epoch)
     if w.step_seconds is not None:

@@ -129,9 +129,11 @@ def persistent_overflow(windows: Sequence[TriagedWindow], k: int) -> list[int]:
 
 def computed_load(windows: Sequence[TriagedWindow]) -> np.ndarray:
     """[L, E] pairs each expert computed per step, averaged over the windows (drops left out where
-    the window counts them; a window that cannot see capacity gives its routed pairs)."""
-    total = sum(tm.kept_tokens(t.window).astype(np.float64) for t in windows)
-    steps = sum(max(t.window.steps, 1) for t in windows)
+    the window counts them; a window that cannot see capacity gives its routed pairs). Windows of
+    per-rank totals only (no expert_tokens) say nothing per expert and are left out."""
+    counted = [t.window for t in windows if t.window.expert_tokens is not None]
+    total = sum(tm.kept_tokens(w).astype(np.float64) for w in counted)
+    steps = sum(max(w.steps, 1) for w in counted)
     return total / steps
 
 
@@ -332,7 +334,12 @@ def choose_levers(view: GroupView, cfg, evidence: Sequence[TriagedWindow], now: 
             skip(next((a.kind for a in diag.actions), "placement"), layer,
                  f"{label}: layer in cooldown for another {cfg.cooldown_seconds - (now - since):.0f} s")
             continue
-        if layer in verdicts:
+        if layer in verdicts and "expert_load" in diag.missing:
+            # Per-rank totals show the imbalance; which experts to replicate or move needs their load.
+            skip("placement", layer, f"{label} for {k} windows, but no plan: the windows carry per-rank totals "
+                 "without per-expert counts (expert_tokens), so no replica or placement can be computed; "
+                 "add a source with per-expert counts (SGLang's expert-distribution dumps or its hook)")
+        elif layer in verdicts:
             lever = first["replicate"] or first["placement"]
             if lever is not None:
                 if "plan" in view.capabilities:

@@ -1,6 +1,7 @@
 """SGLang as a source the agent polls (no probe inside SGLang needed): its expert-distribution dump
 folder (each new dump set becomes one window, once) and its /metrics heatmap (per-rank load per layer
-between scrapes, kept for /status: without per-expert counts it is not a Window).
+between two scrapes becomes one window of per-rank totals, `rank_tokens`, under the placement the
+configuration gives; the latest is also on /status).
 
 One job, every `sglang_poll_seconds`. Errors are logged when they change, not on every poll.
 """
@@ -10,9 +11,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+import numpy as np
+
+from moewatch.planner.files import FileFormatError, read_plan
 from moewatch.sources import SourceError
 from moewatch.sources.sglang_dump import DumpWatcher
-from moewatch.sources.sglang_metrics import HeatmapScraper, RankLoad
+from moewatch.sources.sglang_metrics import HeatmapScraper, RankLoad, default_placement, heatmap_window
 from moewatch.telemetry import Window
 
 log = logging.getLogger("moewatch.agent.sglang")
@@ -27,6 +31,10 @@ class SGLangSource:
                                     ep_group=cfg.sglang_ep_group) if cfg.sglang_dump_dir else None)
         self.scraper = HeatmapScraper(cfg.sglang_metrics_url) if cfg.sglang_metrics_url else None
         self.rank_load: RankLoad | None = None
+        self.placement_file = cfg.sglang_placement_file
+        self.num_experts = cfg.sglang_num_experts
+        self.identity = {"model": cfg.sglang_model, "ep_group": cfg.sglang_ep_group}
+        self.heatmap_windows = 0
 
     def _error(self, message: str) -> None:
         if message != self._last_error:
@@ -51,6 +59,28 @@ class SGLangSource:
                 balanced = [round(float(b), 3) for b in sample.balancedness]
                 log.info("sglang heatmap: balancedness per layer %s%s", balanced,
                          " (server restarted)" if sample.reset else "")
+                try:
+                    window = heatmap_window(sample, self.placement(sample.load.shape[0]), label=self.scraper.url,
+                                            **self.identity)
+                except SourceError as exc:
+                    self._error(str(exc))
+                    return
+                reason = self.ingest(window)
+                if reason is None:
+                    self.heatmap_windows += 1
+                else:
+                    self.rejected[reason] = self.rejected.get(reason, 0) + 1
+                    self._error(f"window from the /metrics heatmap refused: {reason}")
+
+    def placement(self, num_layers: int) -> np.ndarray:
+        """[L, P] in force: the placement file SGLang started with (read each time: a restart may
+        have brought a new one), else SGLang's default for the configured number of experts."""
+        if not self.placement_file:
+            return default_placement(num_layers, self.num_experts)
+        try:
+            return read_plan(self.placement_file).physical_to_logical_map
+        except FileFormatError as exc:
+            raise SourceError("sglang_placement_file", str(exc)) from None
 
     def status(self) -> dict[str, Any]:
         return {"dump_dir": None if self.watcher is None else str(self.watcher.folder),
@@ -59,4 +89,5 @@ class SGLangSource:
                 "windows_refused": dict(self.rejected),
                 "metrics_url": None if self.scraper is None else self.scraper.url,
                 "heatmap": None if self.rank_load is None else self.rank_load.to_dict(),
+                "heatmap_windows": self.heatmap_windows,
                 "last_error": self._last_error or None}

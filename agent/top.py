@@ -57,7 +57,7 @@ def render(status: dict[str, Any], colour: bool) -> str:
             lines.append(f"  {row['layer']:>5}  {verdict} {row['cause'] or '-':<12} {_num(row['balancedness'], '>8.3f')} "
                          f"{_num(row['a2a_share'], '>5.0%')} {_num(row['rank_load_max_mean'], '>8.2f')} "
                          f"{_num(None if ms is None else ms * 1e3, '>8.2f')}  "
-                         f"{','.join(map(str, row['hot_experts'][:6])) or '-'}")
+                         + ("?" if row["hot_experts"] is None else ",".join(map(str, row["hot_experts"][:6])) or "-"))
         for entry in ctl.get("recent", [])[-5:]:
             if entry.get("event") == "decision" and entry.get("result") == "skipped":
                 continue

@@ -75,8 +75,8 @@ def format_table(diagnosis: WindowDiagnosis, colour: bool) -> str:
         ovfl = "?" if m["overflow_rate"] is None else (f"{m['overflow_rate']:.1%}" if d.overflow else "-")
         rows.append((
             str(d.layer), d.verdict, d.cause or ("?" if d.verdict != "healthy" else "-"), ovfl,
-            _cell(m["a2a_share"], ".0%"), _cell(m["rank_load_max_mean"], ".2f"), f"{m['expert_load_cv']:.2f}",
-            f"{_cell(m['cross_rank_ratio'], '.0%')}/{m['expected_cross_rank_ratio']:.0%}",
+            _cell(m["a2a_share"], ".0%"), _cell(m["rank_load_max_mean"], ".2f"), _cell(m["expert_load_cv"], ".2f"),
+            f"{_cell(m['cross_rank_ratio'], '.0%')}/{_cell(m['expected_cross_rank_ratio'], '.0%')}",
             _cell(m["balancedness"], ".3f"), ",".join(d.missing) or "-",
             f"{first.kind} ({_gain(first)}): {first.summary}" if first else "-"))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import telemetry as tm
 from .telemetry import OPTIONAL_ARRAYS, Window
 
 EXAMPLE_SEED = 20261130
@@ -213,15 +214,24 @@ def simulate(s: Scenario, seed: int = EXAMPLE_SEED, start_time: float | None = N
 PARTIAL_EXAMPLES: dict[str, tuple[str, tuple[str, ...], tuple[str, str | None, bool]]] = {
     "logical-only-hot-experts": ("imbalance-hot-experts", tuple(sorted(OPTIONAL_ARRAYS)),
                                  ("imbalance-bound", "hot-experts", False)),
+    # What SGLang's /metrics heatmap sees: per-rank totals only (rank_tokens), nothing per expert.
+    "rank-totals-imbalance": ("imbalance-hot-experts",
+                              tuple(sorted((OPTIONAL_ARRAYS - {"rank_tokens"}) | {"expert_tokens"})),
+                              ("imbalance-bound", None, False)),
 }
 
 
 def without_evidence(w: Window, fields) -> Window:
-    """The window with `fields` left out (absent evidence), marked in `extra.example.absent`."""
+    """The window with `fields` left out (absent evidence), marked in `extra.example.absent`. Without
+    expert_tokens it is what a source of per-rank totals sends: the ranks' computed pairs become
+    rank_tokens, and the per-expert capacity counts go too."""
     extra = dict(w.extra)
+    changes = {name: None for name in fields}
+    if "expert_tokens" in fields:
+        changes.update(rank_tokens=tm.rank_load(w), dropped_tokens=None, rerouted_tokens=None)
     if "example" in extra:
-        extra["example"] = {**extra["example"], "absent": sorted(fields)}
-    return w.replace(extra=extra, **{name: None for name in fields})
+        extra["example"] = {**extra["example"], "absent": sorted(n for n, v in changes.items() if v is None)}
+    return w.replace(extra=extra, **changes)
 
 
 def partial_example(name: str, seed: int = EXAMPLE_SEED, start_time: float | None = None) -> Window:

@@ -67,21 +67,24 @@ def draw(window: Window, result: WindowDiagnosis, out: Path) -> Path:
         im = ax.imshow(ratio.T, aspect="auto", cmap="RdBu_r", vmin=0, vmax=2, origin="lower")
         fig.colorbar(im, ax=ax, label="rank load / mean")
     else:
-        _not_measured(ax, "rank load (slot_tokens or local + received)")
+        _not_measured(ax, "rank load (slot_tokens, local + received or rank_tokens)")
     ax.set_title("Rank load over the mean (red: straggler)")
     ax.set_xlabel("layer")
     ax.set_ylabel("rank")
 
     ax = axes[1, 0]
-    experts = window.expert_tokens.astype(np.float64)
-    emean = experts.mean(axis=1, keepdims=True)
-    eratio = np.divide(experts, emean, out=np.ones_like(experts), where=emean > 0)
-    im = ax.imshow(eratio.T, aspect="auto", cmap="magma", vmin=0, vmax=max(3.0, float(eratio.max())),
-                   origin="lower", interpolation="nearest")
+    if window.expert_tokens is not None:
+        experts = window.expert_tokens.astype(np.float64)
+        emean = experts.mean(axis=1, keepdims=True)
+        eratio = np.divide(experts, emean, out=np.ones_like(experts), where=emean > 0)
+        im = ax.imshow(eratio.T, aspect="auto", cmap="magma", vmin=0, vmax=max(3.0, float(eratio.max())),
+                       origin="lower", interpolation="nearest")
+        fig.colorbar(im, ax=ax, label="expert load / mean")
+    else:
+        _not_measured(ax, "expert load (expert_tokens; the window carries per-rank totals)")
     ax.set_title("Expert load over the mean (bright: hot experts)")
     ax.set_xlabel("layer")
     ax.set_ylabel("logical expert")
-    fig.colorbar(im, ax=ax, label="expert load / mean")
 
     ax = axes[1, 1]
     # Absent evidence is left off the plot (and out of the legend), never drawn as zero.

@@ -12,7 +12,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from .telemetry import ARRAY_FIELDS, OPTIONAL_ARRAYS, SCALAR_FIELDS, SCHEMA
+from .telemetry import ARRAY_FIELDS, OPTIONAL_ARRAYS, REQUIRED_UNLESS, SCALAR_FIELDS, SCHEMA
 
 _MEANING = {
     "runtime": "runtime that produced the window: moewatch-runtime, sglang, vllm, ...",
@@ -45,7 +45,10 @@ _MEANING = {
     "layer_seconds": "whole-layer seconds per rank, summed over steps [L][W]",
     "step_seconds": "wall time of each forward step [steps]",
     "step_tokens": "tokens in each step's batch [steps]",
+    "rank_tokens": "pairs each rank computed [L][W] (v1 extension: per-rank totals, for a source that "
+                   "sees no per-expert counts)",
 }
+
 
 
 def _array_schema(kind: str, depth: int) -> dict[str, Any]:
@@ -64,10 +67,11 @@ def window_schema() -> dict[str, Any]:
     for name, (kind, dims) in ARRAY_FIELDS.items():
         spec = _array_schema(kind, len(dims))
         meaning = _MEANING[name]
-        if name in OPTIONAL_ARRAYS:
+        if name in OPTIONAL_ARRAYS or name in REQUIRED_UNLESS:
             # Absent evidence: null (or left out) when the source cannot measure it, never a guess.
             spec = {"oneOf": [spec, {"type": "null"}]}
-            meaning += "; null or absent when the source cannot measure it"
+            meaning += (f"; null or absent only when {REQUIRED_UNLESS[name]} is present" if name in REQUIRED_UNLESS
+                        else "; null or absent when the source cannot measure it")
         props[name] = {**spec, "description": meaning}
     for name in ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node"):
         props[name]["minimum"] = 1
@@ -78,8 +82,12 @@ def window_schema() -> dict[str, Any]:
         "description": "One sampling window of one EP group, aggregated over its ranks. Unknown fields are "
                        "allowed and ignored by readers; cross-field invariants are checked by moewatch.",
         "type": "object",
-        "required": ["schema", *SCALAR_FIELDS, *(n for n in ARRAY_FIELDS if n not in OPTIONAL_ARRAYS)],
+        "required": ["schema", *SCALAR_FIELDS,
+                     *(n for n in ARRAY_FIELDS if n not in OPTIONAL_ARRAYS and n not in REQUIRED_UNLESS)],
         "properties": props,
+        # A field required unless another stands in: one of the two is an array.
+        "allOf": [{"anyOf": [{"required": [n], "properties": {n: {"type": "array"}}} for n in pair]}
+                  for pair in REQUIRED_UNLESS.items()],
         "additionalProperties": True,
     }
 

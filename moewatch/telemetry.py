@@ -42,24 +42,30 @@ ARRAY_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "layer_seconds": ("f", ("L", "W")),
     "step_seconds": ("f", ("S",)),
     "step_tokens": ("i", ("S",)),
+    # Additive v1 extension: per-rank totals, for a source that sees no per-expert counts.
+    "rank_tokens": ("i", ("L", "W")),
 }
 # Absent evidence (WINDOW.md): a source that cannot measure a field leaves it out (None here, null in
 # JSON, no entry in the binary form) rather than guessing it. Only the placement, the routed counts
-# and the capacity factor in force are always present.
+# and the capacity factor in force are always present; the routed counts (expert_tokens) may be left
+# out only when rank_tokens stands in for them (a source that sees only per-rank totals, such as
+# SGLang's /metrics heatmap): REQUIRED_UNLESS.
 REQUIRED_ARRAYS = frozenset({"physical_to_logical_map", "expert_tokens", "capacity_factor"})
 OPTIONAL_ARRAYS = frozenset(ARRAY_FIELDS) - REQUIRED_ARRAYS
+REQUIRED_UNLESS = {"expert_tokens": "rank_tokens"}
 
 # What each triage step needs, by evidence kind: any one alternative fully present is enough.
 # The kinds are the label values of moewatch_layer_evidence_missing and the `missing` lists of a
 # diagnosis (docs/telemetry.md, "Absent evidence").
 EVIDENCE: dict[str, tuple[tuple[str, ...], ...]] = {
     "a2a_time": (("dispatch_seconds", "combine_seconds", "layer_seconds"),),  # triage step 1
-    "rank_load": (("slot_tokens",), ("local_tokens", "received_tokens")),  # triage step 2
+    "rank_load": (("slot_tokens",), ("local_tokens", "received_tokens"), ("rank_tokens",)),  # triage step 2
     "cross_rank": (("local_tokens", "sent_tokens"),),  # triage step 3
     "capacity": (("dropped_tokens", "rerouted_tokens"),),  # the overflow flag
     "compute_time": (("compute_seconds",),),  # a slow device at even load
     "layer_time": (("layer_seconds",),),  # seconds at stake
     "steps": (("step_seconds", "step_tokens"),),  # step time, tokens per second
+    "expert_load": (("expert_tokens",),),  # hot experts, expected traffic, routed pairs, any plan
 }
 
 SCALAR_FIELDS: dict[str, type] = {
@@ -101,7 +107,7 @@ class Window:
     end_time: float
     hidden_bytes: int
     physical_to_logical_map: np.ndarray
-    expert_tokens: np.ndarray
+    expert_tokens: np.ndarray | None = None
     slot_tokens: np.ndarray | None = None
     dropped_tokens: np.ndarray | None = None
     rerouted_tokens: np.ndarray | None = None
@@ -116,6 +122,7 @@ class Window:
     layer_seconds: np.ndarray | None = None
     step_seconds: np.ndarray | None = None
     step_tokens: np.ndarray | None = None
+    rank_tokens: np.ndarray | None = None
     # Fields this reader does not know, kept so a round trip is lossless.
     extra: Mapping[str, Any] = field(default_factory=dict)
     schema: str = SCHEMA
@@ -123,8 +130,8 @@ class Window:
     def __post_init__(self) -> None:
         for name, (kind, _) in ARRAY_FIELDS.items():
             value = getattr(self, name)
-            if value is None and name in OPTIONAL_ARRAYS:
-                continue
+            if value is None and (name in OPTIONAL_ARRAYS or name in REQUIRED_UNLESS):
+                continue  # a required one that is absent is refused by validate, naming it
             object.__setattr__(self, name, _as_array(name, kind, value))
         for name, typ in SCALAR_FIELDS.items():
             object.__setattr__(self, name, _as_scalar(name, typ, getattr(self, name)))
@@ -191,7 +198,7 @@ class Window:
         kwargs: dict[str, Any] = {}
         for name in (*SCALAR_FIELDS, *ARRAY_FIELDS):
             if name not in data:
-                if name in OPTIONAL_ARRAYS:
+                if name in OPTIONAL_ARRAYS or name in REQUIRED_UNLESS:
                     kwargs[name] = None
                     continue
                 raise WindowError(name, "missing")
@@ -317,14 +324,30 @@ def validate(w: Window) -> None:
         raise WindowError("physical_to_logical_map", f"layer {layer}: expert {expert} has no slot")
 
     # Invariants apply to what is present: each check runs when the fields it relates are there.
-    routed = w.expert_tokens.sum(axis=1)
+    if w.expert_tokens is None:
+        # Per-rank totals stand in for the routed counts, and nothing per expert can be checked.
+        if w.rank_tokens is None:
+            raise WindowError("expert_tokens", "missing (required unless rank_tokens carries per-rank totals)")
+        for name in ("dropped_tokens", "rerouted_tokens"):
+            if getattr(w, name) is not None:
+                raise WindowError(name, "present while expert_tokens is absent (capacity counts are per expert)")
+    if w.rank_tokens is not None:
+        # Per layer and rank, the same pairs however they were counted.
+        if w.slot_tokens is not None:
+            _check_layers("rank_tokens", np.any(w.slot_tokens.reshape(L, W, P // W).sum(axis=2) != w.rank_tokens,
+                                                axis=1), "a rank's slot_tokens do not add up to its rank_tokens")
+        if w.has("local_tokens", "received_tokens"):
+            _check_layers("rank_tokens", np.any(w.local_tokens + w.received_tokens != w.rank_tokens, axis=1),
+                          "a rank's local + received pairs differ from its rank_tokens")
+    routed = None if w.expert_tokens is None else w.expert_tokens.sum(axis=1)
     kept = routed
     if w.dropped_tokens is not None:
         _check_layers("dropped_tokens", w.dropped_tokens > w.expert_tokens,
                       "an expert dropped more pairs than were routed to it", per_element=True)
         kept = routed - w.dropped_tokens.sum(axis=1)
     local = None if w.local_tokens is None else w.local_tokens.sum(axis=1)
-    # Computed pairs: from the slots, else from local + received (equal when both are present).
+    # Computed pairs: from the slots, else from local + received, else the per-rank totals (all
+    # equal when present together, checked above and below).
     computed = None
     if w.slot_tokens is not None:
         computed = w.slot_tokens.sum(axis=1)
@@ -332,10 +355,13 @@ def validate(w: Window) -> None:
     elif w.has("local_tokens", "received_tokens"):
         computed = local + w.received_tokens.sum(axis=1)
         name = "received_tokens"
-    if computed is not None:
+    elif w.rank_tokens is not None:
+        computed = w.rank_tokens.sum(axis=1)
+        name = "rank_tokens"
+    if computed is not None and routed is not None:
         if w.dropped_tokens is not None:
             _check_layers(name, computed != kept, f"sum({name}) != sum(expert_tokens) - sum(dropped_tokens)"
-                          if name == "slot_tokens" else
+                          if name != "received_tokens" else
                           "sum(local_tokens) + sum(received_tokens) != sum(expert_tokens) - sum(dropped_tokens)")
         else:
             _check_layers(name, computed > routed, "more pairs computed than were routed (sum(expert_tokens))")
@@ -499,13 +525,14 @@ def a2a_share(w: Window) -> np.ndarray | None:
 @_once
 def rank_load(w: Window) -> np.ndarray | None:
     """[L, W] pairs each rank computed: the sum over its slots, which the contract makes equal to
-    local + received (either is measured evidence). None for a window of logical counts only: the
-    placement and the routed counts alone do not say where tokens started, so nothing is invented."""
+    local + received and to rank_tokens (each is measured evidence; the first present is used).
+    None for a window of logical counts only: the placement and the routed counts alone do not say
+    where tokens started, so nothing is invented."""
     if w.slot_tokens is not None:
         return w.slot_tokens.reshape(w.num_layers, w.world_size, w.slots_per_rank).sum(axis=2)
     if w.has("local_tokens", "received_tokens"):
         return w.local_tokens + w.received_tokens
-    return None
+    return w.rank_tokens
 
 
 @_once
@@ -543,15 +570,20 @@ def balancedness(w: Window) -> np.ndarray | None:
 
 
 @_once
-def expert_load_cv(w: Window) -> np.ndarray:
-    """[L] std/mean of pairs routed to each logical expert (before capacity). Always measured."""
+def expert_load_cv(w: Window) -> np.ndarray | None:
+    """[L] std/mean of pairs routed to each logical expert (before capacity); None without expert_tokens."""
     load = w.expert_tokens
+    if load is None:
+        return None
     return _ratio(load.std(axis=1), load.mean(axis=1))
 
 
 @_once
-def hot_experts(w: Window, multiple: float) -> list[list[int]]:
-    """Per layer, experts routed more than `multiple` x the mean expert load, hottest first."""
+def hot_experts(w: Window, multiple: float) -> list[list[int]] | None:
+    """Per layer, experts routed more than `multiple` x the mean expert load, hottest first; None
+    without expert_tokens (per-rank totals cannot name an expert)."""
+    if w.expert_tokens is None:
+        return None
     out = []
     for row in w.expert_tokens:
         mean = row.mean()
@@ -570,22 +602,27 @@ def cross_rank_ratio(w: Window) -> np.ndarray | None:
 
 
 @_once
-def kept_tokens(w: Window) -> np.ndarray:
+def kept_tokens(w: Window) -> np.ndarray | None:
     """[L, E] pairs each expert kept after capacity: routed minus dropped, or routed where the
-    window cannot see capacity (the measured count, not an estimate of the drops)."""
+    window cannot see capacity (the measured count, not an estimate of the drops); None without
+    expert_tokens."""
+    if w.expert_tokens is None:
+        return None
     return w.expert_tokens if w.dropped_tokens is None else w.expert_tokens - w.dropped_tokens
 
 
 @_once
-def expected_cross_rank_ratio(w: Window) -> np.ndarray:
+def expected_cross_rank_ratio(w: Window) -> np.ndarray | None:
     """[L] cross-rank ratio the placement predicts for this window's expert load.
 
     Tokens are assumed to start evenly over ranks and to use a local replica when their rank holds
     one (the runtime's replica policy): expert e stays local with probability (ranks holding e) / W.
     With one replica per expert this is 1 - 1/W whatever the load; replicas lower it. A measured
     ratio well above it means tokens' home ranks and their experts' ranks are anti-correlated.
-    A prediction from the placement and the routed counts, so every window has it.
+    A prediction from the placement and the routed counts: None for a window without expert_tokens.
     """
+    if w.expert_tokens is None:
+        return None
     L, E, W = w.num_layers, w.num_experts, w.world_size
     holds = np.zeros((L, E, W), dtype=bool)
     layer_idx = np.repeat(np.arange(L), w.num_slots)

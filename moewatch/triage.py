@@ -265,6 +265,10 @@ def predict(w: Window, metrics: list[dict[str, Any]], t: Thresholds, layers: np.
     Without measured rank load there is nothing to compare an estimate with: loads are NaN."""
     L, E, W, spr = w.num_layers, w.num_experts, w.world_size, w.slots_per_rank
     layers = np.arange(L) if layers is None else np.asarray(layers, dtype=np.int64)
+    if w.expert_tokens is None:
+        # Per-rank totals only: no expert to replicate, no load to re-pack or cap.
+        nan = np.full(L, np.nan)
+        return Predictions([[] for _ in range(L)], np.zeros(L, dtype=np.int64), nan, nan, nan, nan, nan)
     expert_load = tm.kept_tokens(w).astype(np.float64)
     routed = w.expert_tokens
     hot_lists = [[] for _ in range(L)]
@@ -347,23 +351,24 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
     hot = tm.hot_experts(w, t.hot_expert_multiple)
     # Groups that span nodes: the share of pairs over the slower inter-node link (topology.py).
     cross_node = topology.cross_node_ratio(w.traffic, w.world_size, w.ranks_per_node, w.num_layers)
-    expected_node = topology.expected_cross_node_ratio(w.expert_tokens, w.physical_to_logical_map, w.world_size,
-                                                       w.ranks_per_node)
-    routed = w.expert_tokens.sum(axis=1)
+    expected_node = (None if w.expert_tokens is None else
+                     topology.expected_cross_node_ratio(w.expert_tokens, w.physical_to_logical_map, w.world_size,
+                                                        w.ranks_per_node))
+    routed = None if w.expert_tokens is None else w.expert_tokens.sum(axis=1)
     dropped = None if w.dropped_tokens is None else w.dropped_tokens.sum(axis=1)
     rerouted = None if w.rerouted_tokens is None else w.rerouted_tokens.sum(axis=1)
     out = []
     for layer in range(w.num_layers):
         row = {name: _column(col, layer) for name, col in cols.items()}
         row.update({
-            "routed_pairs": int(routed[layer]),
+            "routed_pairs": None if routed is None else int(routed[layer]),
             "dropped_pairs": None if dropped is None else int(dropped[layer]),
             "rerouted_pairs": None if rerouted is None else int(rerouted[layer]),
             "rank_load": None if load is None else [int(x) for x in load[layer]],
             "busiest_rank": None if load is None else int(np.argmax(load[layer])),
-            "hot_experts": hot[layer],
+            "hot_experts": None if hot is None else hot[layer],
             "cross_node_ratio": None if cross_node is None else _finite(float(cross_node[layer])),
-            "expected_cross_node_ratio": _finite(float(expected_node[layer])),
+            "expected_cross_node_ratio": _column(expected_node, layer),
         })
         out.append(row)
     return out
@@ -388,7 +393,9 @@ def _with_actions(w: Window, d: LayerDiagnosis, t: Thresholds, pred: Predictions
     actions = _rank_actions(w, d.layer, d.metrics, t, d.verdict, d.cause, d.overflow, pred)
     best = actions[0].predicted_gain if actions else 0.0
     layer_step = d.metrics["layer_seconds_per_step"]
-    if best == 0.0:
+    if not actions and "expert_load" in d.missing and d.verdict != HEALTHY:
+        stake = math.nan  # no action can be planned from per-rank totals: what is at stake is unknown
+    elif best == 0.0:
         stake = 0.0
     else:
         stake = math.nan if best is None or layer_step is None else best * layer_step
@@ -403,7 +410,9 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
     overflow = m["overflow_rate"] is not None and m["overflow_rate"] > t.overflow_rate
     layer_step = m["layer_seconds_per_step"]
 
-    if m["routed_pairs"] < t.min_routed_pairs or (layer_step is not None and layer_step <= 0):
+    # Pairs seen: routed, else (per-rank totals only) computed.
+    pairs = m["routed_pairs"] if m["routed_pairs"] is not None else sum(m["rank_load"] or [])
+    if pairs < t.min_routed_pairs or (layer_step is not None and layer_step <= 0):
         evidence.append("The layer routed no pairs in this window: nothing to judge.")
         return LayerDiagnosis(layer, HEALTHY, None, False, m, evidence, [], 0.0, missing), True
 
@@ -441,6 +450,8 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
         shown = ", ".join(f"{e} ({w.expert_tokens[layer, e] / mean_expert:.1f}x)" for e in hot[:5])
         evidence.append(f"Hot experts (over {t.hot_expert_multiple:g}x the mean load): {shown}; "
                         f"expert load std/mean {m['expert_load_cv']:.2f}.")
+    if m["expert_load_cv"] is None:
+        evidence.append(unknown_text("Hot experts", "expert_load"))
     if imbalanced is None and skewed:
         evidence.append("Without rank load, the expert load's own dispersion is step 2's evidence: "
                         "the layer is judged imbalanced on skewed expert load.")
@@ -449,7 +460,11 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
     cross, expected = m["cross_rank_ratio"], m["expected_cross_rank_ratio"]
     mapping_driven: bool | None = None
     if cross is None:
-        evidence.append(unknown_text(f"Cross-rank ratio (the placement predicts {expected:.0%})", "cross_rank"))
+        predicted = "" if expected is None else f" (the placement predicts {expected:.0%})"
+        evidence.append(unknown_text(f"Cross-rank ratio{predicted}", "cross_rank"))
+    elif expected is None:
+        evidence.append(f"{cross:.0%} of pairs cross ranks; "
+                        + unknown_text("what the placement predicts", "expert_load").lower())
     else:
         mapping_driven = cross > expected + t.cross_rank_margin
         evidence.append(
@@ -461,7 +476,12 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
         evidence.append(node_line)
     small = None if m["mean_message_bytes"] is None else m["mean_message_bytes"] < t.small_message_bytes
 
-    if imbalanced or (imbalanced is None and skewed):
+    if imbalanced and m["expert_load_cv"] is None:
+        # Per-rank totals show the imbalance but not whether a few experts or the packing cause it.
+        verdict, cause = IMBALANCE_BOUND, None
+        evidence.append("Cause unknown: without per-expert counts, hot experts and an uneven packing cannot be "
+                        "told apart, and no replica or placement can be planned.")
+    elif imbalanced or (imbalanced is None and skewed):
         verdict, cause = IMBALANCE_BOUND, ("hot-experts" if skewed else "straggler")
     elif comm:
         verdict = COMM_BOUND
@@ -501,6 +521,8 @@ def _round_up(capacity_factor: float) -> float:
 def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds, verdict: str, cause: str | None,
                   overflow: bool, pred: Predictions | None) -> list[Action]:
     W = w.world_size
+    if w.expert_tokens is None:
+        return []  # every action names experts or re-packs their load: nothing to propose from rank totals
     # Gains are relative to the busiest rank's measured load: unknown (None) without rank load.
     now_max = None if m["rank_load"] is None else float(max(np.max(m["rank_load"]), 1))
     share = m["a2a_share"]
@@ -602,7 +624,7 @@ def summarise(w: Window, layers: list[LayerDiagnosis], t: Thresholds) -> dict[st
         slowest = {"rank": rank,
                    "compute_share": _finite(float(compute_by_rank[rank]) / total) if total > 0 else None,
                    "compute_seconds": _finite(float(compute_by_rank[rank]))}
-    hot_counts = Counter(e for d in layers for e in d.metrics["hot_experts"])
+    hot_counts = Counter(e for d in layers for e in d.metrics["hot_experts"] or [])
     balanced = tm.balancedness(w)
     steps = w.step_seconds
     timed = steps is not None and len(steps) > 0

@@ -13,10 +13,14 @@ server starts from zero: when any of a layer's counts went down, the new values 
 the restart and count whole. The first scrape is a baseline and yields nothing.
 
 What it measures is rank load per layer [L, W] (its balancedness, its max/mean): no per-expert
-counts, no timings, no placement. The Window contract requires per-expert counts, so these samples are
-not Windows; the agent keeps the latest on /status and in its log.
+counts, no timings, no placement. Each difference becomes a Window carrying those per-rank totals as
+`rank_tokens` (the contract's stand-in for `expert_tokens`, docs/telemetry.md): per-expert counts,
+capacity counts, timings and per-step data absent, `steps` 0 (the heatmap counts pairs, not
+passes). The placement in force is not in the exposition, so the caller gives it: the
+`--init-expert-location` file SGLang was started with, or SGLang's default placement (slot s holds
+expert s, P = E; no redundant experts) for a known number of experts.
 
-Sizes: L layers, W ranks.
+Sizes: L layers, W ranks, E experts, P slots.
 """
 
 from __future__ import annotations
@@ -31,9 +35,14 @@ from typing import Callable
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..telemetry import Window, WindowError
 from . import SourceError
 
 METRIC = "sglang:eplb_gpu_physical_count"
+RUNTIME = "sglang"
+# What a heatmap window cannot carry: absent in the window, or (scalars) a stated default.
+NOT_IN_METRICS = ["expert_tokens", "slot_tokens", "dropped_tokens", "rerouted_tokens", "timings", "steps", "top_k",
+                  "hidden_bytes", "ranks_per_node"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +149,36 @@ def diff(previous: np.ndarray, current: np.ndarray, start: float, end: float) ->
     if not delta.any():
         return None
     return RankLoad(start, end, delta, bool(went_down.any()))
+
+
+def default_placement(num_layers: int, num_experts: int) -> np.ndarray:
+    """[L, E] SGLang's placement when it runs without --init-expert-location and without redundant
+    experts: slot s holds expert s (its trivial map, s mod E, with P = E)."""
+    return np.tile(np.arange(num_experts, dtype=np.int64), (num_layers, 1))
+
+
+def heatmap_window(sample: RankLoad, physical_to_logical_map: np.ndarray, *, model: str = "sglang",
+                   ep_group: str = "ep0", label: str = "<heatmap>") -> Window:
+    """A RankLoad [L', W] as a Window of per-rank totals under the placement [L, P] in force.
+
+    Layers the exposition has not shown yet (a layer appears once it was sampled) computed nothing:
+    rank_tokens is zero there. A heatmap wider than the placement, or ranks that do not divide the
+    slots, is refused (SourceError naming the URL)."""
+    pmap = np.asarray(physical_to_logical_map, dtype=np.int64)
+    L, W = pmap.shape[0], sample.load.shape[1]
+    if sample.load.shape[0] > L:
+        raise SourceError(label, f"{METRIC}: {sample.load.shape[0]} layers, but the placement has {L}")
+    rank_tokens = np.zeros((L, W), dtype=np.int64)
+    rank_tokens[:sample.load.shape[0]] = sample.load
+    try:
+        return Window(runtime=RUNTIME, model=model, ep_group=ep_group, world_size=W, ranks_per_node=W, num_layers=L,
+                      num_experts=int(pmap.max()) + 1 if pmap.size else 0, num_slots=pmap.shape[1], top_k=1, epoch=0,
+                      steps=0, start_time=sample.start_time, end_time=sample.end_time, hidden_bytes=0,
+                      physical_to_logical_map=pmap, capacity_factor=np.zeros(L), rank_tokens=rank_tokens,
+                      extra={"source": {"kind": "sglang-metrics-heatmap", "url": label, "reset": sample.reset,
+                                        "sampled_passes_only": True, "not_in_metrics": NOT_IN_METRICS}})
+    except WindowError as exc:
+        raise SourceError(label, f"does not make a valid window with the placement in force: {exc}") from None
 
 
 def _http_get(url: str, timeout: float) -> str:

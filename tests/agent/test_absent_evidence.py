@@ -41,7 +41,8 @@ def test_exported_series_follow_the_evidence_window_by_window(helpers):
     assert all(state.get("moewatch_layer_evidence_missing", (*LAYER0, kind)) == 0.0 for kind in EVIDENCE)
     assert state.get("moewatch_rank_load_pairs", (*LAYER0, "0")) is not None
     record(bare)
-    assert all(state.get("moewatch_layer_evidence_missing", (*LAYER0, kind)) == 1.0 for kind in EVIDENCE)
+    assert all(state.get("moewatch_layer_evidence_missing", (*LAYER0, kind)) == (kind != "expert_load")
+               for kind in EVIDENCE)
     # Nothing unmeasured keeps a series: the full window's rank-level and timing series are gone.
     for name in ("moewatch_layer_balancedness_ratio", "moewatch_layer_rank_load_max_min_ratio",
                  "moewatch_layer_a2a_share_ratio", "moewatch_layer_seconds", "moewatch_layer_cross_rank_ratio",
@@ -97,8 +98,9 @@ def test_live_agent_marks_missing_evidence_on_metrics(start_agent, helpers):
     assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_actions_total",
                                                        ("m", "g", "replicate", "recommended"), 0) >= 1)
     text = helpers.scrape(daemon.http_url)
-    for kind in EVIDENCE:
-        assert helpers.sample_value(text, "moewatch_layer_evidence_missing", layer="1", evidence=kind) == 1
+    for kind in EVIDENCE:  # a logical window lacks all but the expert load
+        assert helpers.sample_value(text, "moewatch_layer_evidence_missing", layer="1",
+                                    evidence=kind) == (kind != "expert_load")
     assert helpers.sample_value(text, "moewatch_layer_verdict", layer="1", verdict="imbalance-bound",
                                 cause="hot-experts") == 1
     assert helpers.sample_value(text, "moewatch_layer_expert_load_cv_ratio", layer="1") > 0.3
@@ -108,7 +110,7 @@ def test_live_agent_marks_missing_evidence_on_metrics(start_agent, helpers):
     assert lint.returncode == 0, lint.stdout + lint.stderr
     status = daemon.status()["groups"][0]
     assert status["layers"][0]["balancedness"] is None and status["layers"][0]["verdict"] == "imbalance-bound"
-    assert status["summary"]["missing"] == list(EVIDENCE)
+    assert status["summary"]["missing"] == [kind for kind in EVIDENCE if kind != "expert_load"]
     # `moewatch top` shows the unmeasured columns as `?`.
     from moewatch.agent.top import fetch_status, render
 

@@ -210,3 +210,18 @@ def test_a_vllm_source_gets_recommendations_never_a_plan(helpers):
     assert {d.kind for d in proposal.decisions} == {"replicate"}
     assert all("vLLM takes no placement from outside" in d.reason for d in proposal.decisions)
     assert policy.decide(view(windows), cfg(mode="observe"), 0.0).decisions == []
+
+
+def test_rank_totals_alone_give_no_plan_and_say_why(helpers):
+    from moewatch.examples import without_evidence
+    from moewatch.telemetry import OPTIONAL_ARRAYS
+
+    strip = (OPTIONAL_ARRAYS - {"rank_tokens"}) | {"expert_tokens"}
+    full = triaged(helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 3)
+    windows = [TriagedWindow(rank, diagnose(rank), 0.0) for rank in (without_evidence(t.window, strip) for t in full)]
+    assert all(d.verdict == "imbalance-bound" and d.cause is None for d in windows[-1].diagnosis.layers)
+    for mode in ("act", "recommend"):
+        proposal = policy.decide(view(windows), cfg(mode=mode), 0.0)
+        assert not proposal.has_plan and {d.layers for d in proposal.decisions} == {(0,), (1,)}
+        assert all(d.result == "skipped" and "no plan" in d.reason and "expert_tokens" in d.reason
+                   and d.before["hot_experts"] is None for d in proposal.decisions)

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LOGICAL = "logical-only-hot-experts"
 TIMINGS = ("dispatch_seconds", "combine_seconds", "compute_seconds", "layer_seconds", "step_seconds")
 RANK_COUNTS = ("slot_tokens", "local_tokens", "sent_tokens", "received_tokens", "traffic")
+# A window of logical counts lacks every kind of evidence but the expert load it carries.
+LOGICAL_MISSING = [kind for kind in EVIDENCE if kind != "expert_load"]
 
 
 def fields_of(kind: str) -> set[str]:
@@ -38,7 +40,9 @@ def logical() -> Window:
 
 def test_only_placement_routing_and_capacity_factor_are_required():
     assert tm.REQUIRED_ARRAYS == {"physical_to_logical_map", "expert_tokens", "capacity_factor"}
-    assert set(TIMINGS) | {"step_tokens"} | set(RANK_COUNTS) | {"dropped_tokens", "rerouted_tokens"} == OPTIONAL_ARRAYS
+    assert (set(TIMINGS) | {"step_tokens"} | set(RANK_COUNTS) | {"dropped_tokens", "rerouted_tokens", "rank_tokens"}
+            == OPTIONAL_ARRAYS)
+    assert tm.REQUIRED_UNLESS == {"expert_tokens": "rank_tokens"}  # the routed counts, unless rank totals stand in
 
 
 def test_logical_only_window_round_trips_in_both_forms(logical):
@@ -113,7 +117,7 @@ def test_logical_only_window_is_judged_on_expert_load_and_says_what_it_lacked(lo
     result = diagnose(logical)
     for d in result.layers:
         assert (d.verdict, d.cause, d.overflow) == ("imbalance-bound", "hot-experts", False)
-        assert d.missing == list(EVIDENCE)
+        assert d.missing == LOGICAL_MISSING
         for key in ("a2a_share", "rank_load", "busiest_rank", "balancedness", "rank_load_cv", "cross_rank_ratio",
                     "overflow_rate", "layer_seconds_per_step", "dropped_pairs", "effective_capacity_factor"):
             assert d.metrics[key] is None, key
@@ -125,8 +129,8 @@ def test_logical_only_window_is_judged_on_expert_load_and_says_what_it_lacked(lo
         assert not any(a.params.get("lossy") for a in d.actions)
         assert sum("unknown" in line for line in d.evidence) == 4  # steps 1 and 3, rank load, overflow
         out = d.to_dict()
-        assert out["missing"] == list(EVIDENCE) and out["seconds_at_stake"] is None
-    assert result.summary["missing"] == list(EVIDENCE)
+        assert out["missing"] == LOGICAL_MISSING and out["seconds_at_stake"] is None
+    assert result.summary["missing"] == LOGICAL_MISSING
     assert result.summary["balancedness_mean"] is None and result.summary["slowest_rank"]["rank"] is None
     json.dumps(result.to_dict(), allow_nan=False)
 
@@ -187,17 +191,18 @@ def test_diagnose_json_table_and_explain_say_what_was_missing(tmp_path):
     verdict, cause, overflow = PARTIAL_EXAMPLES[LOGICAL][2]
     for layer in out["layers"]:
         assert (layer["verdict"], layer["cause"], layer["overflow"]) == (verdict, cause, overflow)
-        assert layer["missing"] == list(EVIDENCE)
+        assert layer["missing"] == LOGICAL_MISSING
         assert layer["metrics"]["a2a_share"] is None and layer["metrics"]["rank_load"] is None
         assert layer["actions"][0]["kind"] == "replicate" and layer["actions"][0]["predicted_gain"] is None
-    assert out["summary"]["missing"] == list(EVIDENCE)
+    assert out["summary"]["missing"] == LOGICAL_MISSING
     table = run("diagnose", path).output
     header = next(line for line in table.splitlines() if line.startswith("layer"))
     assert "evidence missing" in table and "missing" in header.split()
     row = next(line for line in table.splitlines() if line.startswith("0 "))
     assert "imbalance-bound" in row and "rank_load" in row and "gain unknown" in row and " ? " in row
     explain = run("diagnose", path, "--explain").output
-    assert "Rank load: unknown (the window does not carry slot_tokens or local_tokens + received_tokens)" in explain
+    assert ("Rank load: unknown (the window does not carry slot_tokens or local_tokens + received_tokens "
+            "or rank_tokens)") in explain
     assert "[missing: a2a_time, rank_load" in explain
     report = run("report", path, "--out", str(tmp_path / "r.png"))
     assert report.exit_code == 0 and (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"

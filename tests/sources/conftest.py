@@ -4,6 +4,10 @@ SGLang does not run on this CPU machine, but the pure-Python pieces that write i
 accumulators of python/sglang/srt/eplb/expert_distribution.py under a published test config
 (`override_server_args`), and its file writer `_dump_to_file`. A missing SGLang is an import error
 here, so under CI it fails the tests rather than skipping them (the Makefile installs it).
+
+Its /metrics heatmap likewise: SGLang's own collector (ExpertDispatchCollector, in prometheus-client's
+default registry as SGLang uses it), filled by SGLang's own `_handle_metric_eplb_heatmap`, served over
+HTTP on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import socket
 import types
 import warnings
 
+import numpy as np
 import pytest
+from prometheus_client import REGISTRY, start_http_server
 
 
 def _free_port() -> int:
@@ -62,3 +68,44 @@ def sglang_recorder():
                 acc.dump("file")
 
     return Recorder
+
+
+@pytest.fixture
+def sglang_heatmap(sglang_recorder, monkeypatch):
+    """(url, record, restart): record(counts [L, W]) is one sampled pass through SGLang's own heatmap
+    code; restart() is a new server process (a new collector: its counters start from zero)."""
+    from sglang.srt.observability.metrics_collector import ExpertDispatchCollector
+
+    monkeypatch.setenv("SGLANG_EPLB_HEATMAP_COLLECTION_INTERVAL", "1")  # sample every pass
+    handle = sglang_recorder.ed._UtilizationRateAccumulatorMixin._handle_metric_eplb_heatmap
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=REGISTRY)
+    state = {"recorder": None}
+
+    def start(ep_size: int) -> None:
+        state["recorder"] = types.SimpleNamespace(
+            _expert_location_metadata=types.SimpleNamespace(ep_size=ep_size, num_layers=0),
+            _expert_dispatch_collector=ExpertDispatchCollector(ep_size), _metric_heatmap_collection_counter=0)
+
+    def record(gpu_physical_count) -> None:
+        counts = np.asarray(gpu_physical_count)
+        if state["recorder"] is None:
+            start(counts.shape[1])
+        state["recorder"]._expert_location_metadata.num_layers = counts.shape[0]
+        # Host counts: with a torch tensor, a single-process prometheus-client registry aliases the
+        # running sum of the buckets (`acc += tensor` in place), so every bucket would read the total.
+        # SGLang serves its metrics in multiprocess mode, where values are written as floats.
+        handle(state["recorder"], counts.astype(np.int64))
+
+    def restart() -> None:
+        REGISTRY.unregister(state["recorder"]._expert_dispatch_collector.eplb_gpu_physical_count)
+        start(state["recorder"]._expert_location_metadata.ep_size)
+
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        yield url, record, restart
+    finally:
+        if state["recorder"] is not None:
+            REGISTRY.unregister(state["recorder"]._expert_dispatch_collector.eplb_gpu_physical_count)
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

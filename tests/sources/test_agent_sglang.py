@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import tempfile
 import time
 import urllib.request
@@ -69,7 +70,71 @@ def test_metrics_url_is_validated(url):
     from moewatch.thresholds import ConfigError
 
     with pytest.raises(ConfigError, match="^sglang_metrics_url: "):
-        build_config(flags={"sglang_metrics_url": url}, environ={})
+        build_config(flags={"sglang_metrics_url": url, "sglang_num_experts": 4}, environ={})
+
+
+def test_metrics_url_needs_the_placement_in_force():
+    from moewatch.thresholds import ConfigError
+
+    with pytest.raises(ConfigError, match="^sglang_metrics_url: its windows need the placement in force"):
+        build_config(flags={"sglang_metrics_url": "http://127.0.0.1:30000/metrics"}, environ={})
+    for extra in ({"sglang_num_experts": 8}, {"sglang_placement_file": "/etc/sglang/expert_location.json"}):
+        build_config(flags={"sglang_metrics_url": "http://127.0.0.1:30000/metrics", **extra}, environ={})
+
+
+def samples(text: str, name: str) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == name}
+
+
+@pytest.mark.slow
+def test_agent_makes_windows_from_the_metrics_heatmap(sglang_heatmap, agent_dir):
+    url, record, restart = sglang_heatmap
+    placement = agent_dir / "expert_location.json"  # what SGLang was started with (--init-expert-location)
+    placement.write_text(json.dumps({"physical_to_logical_map": PMAP.tolist()}))
+    flags = {"socket": str(agent_dir / "a.sock"), "listen": "127.0.0.1:0", "audit_log": str(agent_dir / "audit.jsonl"),
+             "triage_interval_seconds": 0.05, "plan_interval_seconds": 3600, "export_interval_seconds": 0.1,
+             "sglang_metrics_url": url, "sglang_placement_file": str(placement), "sglang_poll_seconds": 0.1,
+             "sglang_model": "dsv3", "sglang_ep_group": "pod-a"}
+    record(np.array([[5, 5], [5, 5]]))  # before the agent's first scrape: the baseline
+    daemon = Daemon(build_config(flags=flags, environ={})).start()
+    try:
+        assert wait_for(lambda: daemon.sglang.scraper.scrapes >= 1)
+        skewed = np.array([[90, 10], [50, 50]])
+        record(skewed)
+        assert wait_for(lambda: daemon.store.get(("dsv3", "pod-a")) is not None
+                        and len(daemon.store.get(("dsv3", "pod-a")).history) == 1)
+        latest = daemon.store.get(("dsv3", "pod-a")).latest()
+        w = latest.window
+        assert w.runtime == "sglang" and w.expert_tokens is None and np.array_equal(w.rank_tokens, skewed)
+        assert np.array_equal(w.physical_to_logical_map, PMAP) and (w.world_size, w.num_slots) == (2, 6)
+        hot, even = latest.diagnosis.layers
+        assert (hot.verdict, hot.cause, even.verdict) == ("imbalance-bound", None, "healthy")
+
+        def exposition():
+            return urllib.request.urlopen(daemon.http_url + "/metrics", timeout=5).read().decode()
+
+        group = (("ep_group", "pod-a"), ("model", "dsv3"))
+        assert wait_for(lambda: samples(exposition(), "moewatch_layer_balancedness_ratio")
+                        .get((*group[:1], ("layer", "0"), *group[1:])) == pytest.approx(50 / 90))
+        text = exposition()
+        missing = samples(text, "moewatch_layer_evidence_missing")
+        layer0 = {dict(k)["evidence"]: v for k, v in missing.items() if dict(k)["layer"] == "0"}
+        assert layer0["expert_load"] == 1 and layer0["rank_load"] == 0 and layer0["a2a_time"] == 1
+        assert samples(text, "moewatch_layer_routed_pairs_total") == {}  # not measured, not zero
+        lint = subprocess.run(["/usr/bin/promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+        restart()  # SGLang restarted: its counters start from zero, and count whole
+        record(np.array([[7, 3], [4, 6]]))
+        assert wait_for(lambda: len(daemon.store.get(("dsv3", "pod-a")).history) == 2)
+        again = daemon.store.get(("dsv3", "pod-a")).latest().window
+        assert again.rank_tokens.tolist() == [[7, 3], [4, 6]] and again.extra["source"]["reset"] is True
+        status = json.loads(urllib.request.urlopen(daemon.http_url + "/status", timeout=5).read())
+        assert status["sglang"]["heatmap_windows"] == 2 and status["sglang"]["last_error"] is None
+    finally:
+        daemon.stop()
 
 
 @pytest.mark.slow

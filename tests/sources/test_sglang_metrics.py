@@ -1,77 +1,77 @@
-"""The /metrics source against SGLang's own heatmap collector (ExpertDispatchCollector, in
-prometheus-client's default registry as SGLang uses it), served over HTTP on 127.0.0.1: two
-scrapes, then a restart that resets the counters."""
+"""The /metrics source against SGLang's own heatmap (tests/sources/conftest.py, `sglang_heatmap`): two
+scrapes, then a restart that resets the counters; each difference is a Window of per-rank totals."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
-from prometheus_client import REGISTRY, start_http_server
 
 from moewatch.sources import SourceError
-from moewatch.sources.sglang_metrics import HeatmapScraper, diff, parse_heatmap
+from moewatch.sources.sglang_metrics import (
+    HeatmapScraper,
+    RankLoad,
+    default_placement,
+    diff,
+    heatmap_window,
+    parse_heatmap,
+)
+from moewatch.triage import diagnose
 
-L, W = 3, 4
-
-
-def record(collector, gpu_physical_count: np.ndarray) -> None:
-    """What SGLang's `_handle_metric_eplb_heatmap` does with one sampled pass [L, W]
-    (python/sglang/srt/eplb/expert_distribution.py): bucket r gains rank r's pairs."""
-    for layer in range(gpu_physical_count.shape[0]):
-        hist = collector.eplb_gpu_physical_count.labels(layer=str(layer))
-        for rank, count in enumerate(gpu_physical_count[layer]):
-            if count > 0:
-                hist._sum.inc(int(count) * rank)
-                hist._buckets[rank].inc(int(count))
-
-
-@pytest.fixture
-def sglang_server():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from sglang.srt.observability.metrics_collector import ExpertDispatchCollector
-    server, thread = start_http_server(0, addr="127.0.0.1", registry=REGISTRY)
-    state = {"collector": ExpertDispatchCollector(W)}
-
-    def restart():
-        REGISTRY.unregister(state["collector"].eplb_gpu_physical_count)
-        state["collector"] = ExpertDispatchCollector(W)
-
-    url = f"http://127.0.0.1:{server.server_port}/metrics"
-    try:
-        yield url, state, restart
-    finally:
-        REGISTRY.unregister(state["collector"].eplb_gpu_physical_count)
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+L, W, E = 3, 4, 8
 
 
 @pytest.mark.slow
-def test_two_scrapes_and_a_reset(sglang_server):
-    url, state, restart = sglang_server
+def test_two_scrapes_and_a_reset(sglang_heatmap):
+    url, record, restart = sglang_heatmap
     now = [100.0]
     scraper = HeatmapScraper(url, clock=lambda: now[0])
     rng = np.random.default_rng(0)
     first, second, third = (rng.integers(1, 50, size=(L, W)) for _ in range(3))
-    record(state["collector"], first)
+    second[0] = [400, 10, 10, 10]  # layer 0: rank 0 carries most pairs
+    record(first)
     assert scraper.scrape() is None  # the baseline
-    record(state["collector"], second)
-    record(state["collector"], second)
+    record(second)
+    record(second)
     now[0] = 110.0
-    window = scraper.scrape()
-    assert np.array_equal(window.load, 2 * second) and not window.reset
-    assert (window.start_time, window.end_time) == (100.0, 110.0)
+    sample = scraper.scrape()
+    assert np.array_equal(sample.load, 2 * second) and not sample.reset
+    assert (sample.start_time, sample.end_time) == (100.0, 110.0)
     expected = (2 * second).mean(axis=1) / (2 * second).max(axis=1)
-    assert np.allclose(window.balancedness, expected)
+    assert np.allclose(sample.balancedness, expected)
+    window = heatmap_window(sample, default_placement(L, E), model="m", ep_group="g", label=url)
+    assert window.runtime == "sglang" and (window.model, window.ep_group) == ("m", "g")
+    assert np.array_equal(window.rank_tokens, 2 * second) and window.expert_tokens is None
+    assert (window.world_size, window.num_slots, window.steps) == (W, E, 0)
+    assert (window.start_time, window.end_time) == (100.0, 110.0) and window.step_seconds is None
+    assert "expert_load" in window.missing_evidence and "rank_load" not in window.missing_evidence
+    layers = diagnose(window).layers
+    assert (layers[0].verdict, layers[0].cause) == ("imbalance-bound", None)
+    assert layers[0].metrics["balancedness"] == pytest.approx(expected[0])
     restart()  # SGLang restarted (e.g. to load a new placement): its counters start from zero
-    record(state["collector"], third)
+    record(third)
     now[0] = 120.0
     after = scraper.scrape()
     assert after.reset and np.array_equal(after.load, third)
+    again = heatmap_window(after, default_placement(L, E), label=url)
+    assert np.array_equal(again.rank_tokens, third) and again.extra["source"]["reset"] is True
+    assert again.start_time == 110.0
     assert scraper.scrape() is None  # nothing new
+
+
+def test_layers_not_sampled_yet_computed_nothing():
+    sample = RankLoad(0.0, 1.0, np.array([[5, 1]]), False)
+    window = heatmap_window(sample, default_placement(3, 4))
+    assert window.rank_tokens.tolist() == [[5, 1], [0, 0], [0, 0]]
+
+
+@pytest.mark.parametrize("load,pmap,needle", [
+    (np.ones((3, 2), int), default_placement(2, 4), "3 layers, but the placement has 2"),
+    (np.ones((2, 3), int), default_placement(2, 4), "4 slots do not divide over 3 ranks"),
+])
+def test_a_heatmap_unlike_the_placement_is_refused(load, pmap, needle):
+    with pytest.raises(SourceError, match=needle) as err:
+        heatmap_window(RankLoad(0.0, 1.0, load, False), pmap, label="http://h/metrics")
+    assert err.value.field == "http://h/metrics"
 
 
 def test_exposition_without_the_heatmap_is_none():
