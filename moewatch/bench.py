@@ -13,9 +13,11 @@ from .cli import LazyGroup
 SUBCOMMANDS = {
     "planner": ("moewatch.planner.bench:planner", "Placement quality and speed against DeepSeek's EPLB."),
     "probe": ("moewatch.runtime.bench:probe", "The probe's overhead on the forward step (on over off)."),
+    "loop": ("moewatch.agent.loopbench:loop", "Closed loop: step time before and after the agent acts, with a control."),
 }
 
 
 @click.group(cls=LazyGroup, verbs=SUBCOMMANDS)
 def bench() -> None:
-    """Benchmarks: `planner` (against DeepSeek's EPLB), `probe` (overhead on the forward step)."""
+    """Benchmarks: `planner` (against DeepSeek's EPLB), `probe` (overhead on the forward step), `loop`
+    (step time before and after the agent acts)."""
