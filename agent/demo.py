@@ -332,6 +332,7 @@ def run_demo(seconds: float = 45.0, ranks: int | None = None, folder: str | None
     build_config(flags={**agent_settings(flags), "socket": str(work / "agent.sock"), "listen": listen}, environ={})  # bad --listen
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("apscheduler").setLevel(logging.ERROR)
+    logging.getLogger("moewatch.agent.jobs").setLevel(logging.ERROR)  # "missed a run" while ranks hold the cores
     started = time.monotonic()
     recorder = _Recorder(live, started)
 
