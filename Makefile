@@ -36,6 +36,7 @@ test: install system-deps
 bench: install
 	$(VENV)/bin/moewatch bench planner
 	$(VENV)/bin/moewatch bench probe
+	$(VENV)/bin/moewatch bench loop
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

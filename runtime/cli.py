@@ -117,7 +117,7 @@ def runtime(placement_file, no_probe, socket_path, as_json, **options) -> None:
                f"failed {result.plans_failed}; windows {result.windows_built}")
     b = result.cpu_binding
     if b.get("pinned"):
-        click.echo(f"cores: rank r pinned to {b['rank_cores']} (by rank), {b['threads_per_rank']} thread(s) each")
+        click.echo(f"cores: each rank pinned to its own ({b['rank_cores']}, by rank), {b['threads_per_rank']} thread(s) each")
     elif b:
         click.echo(f"cores: not pinned: {b['warning']}")
     if result.sender is not None:
