@@ -61,8 +61,8 @@ def core_binding(world_size: int, threads_per_rank: int | None = None,
 
     With at least one core per rank, rank r gets its own contiguous share of the cores (so the
     busiest rank, not the total work, sets the step) and one intra-op thread by default; with fewer
-    cores than ranks the ranks time-share every core, their threads split the cores, and the warning
-    says the step no longer measures the busiest rank."""
+    cores than ranks nothing is pinned, each rank still gets one thread by default, the ranks
+    time-share the cores, and the warning says the step no longer measures the busiest rank."""
     cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
     n = len(cores)
     if n >= world_size:
