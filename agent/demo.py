@@ -42,7 +42,7 @@ from .store import GroupStore, TriagedWindow
 # agent room to replicate them. Experts are big enough that expert compute, not the gloo
 # all-to-all, is most of a layer.
 DEMO_RUNTIME = {
-    "layers": 4, "experts": 8, "slots": 12, "top-k": 2, "hidden": 512, "ffn": 1024, "batch-tokens": 512,
+    "layers": 4, "experts": 8, "slots": 12, "top-k": 2, "hidden": 256, "ffn": 3072, "batch-tokens": 256,
     "workload": "zipf", "zipf": 0.0, "hot-experts": 2, "hot-share": 0.7, "hot-on-rank": 0,
     "window-steps": 8, "warmup-steps": 2, "model-name": "demo", "ep-group": "ep0",
 }
