@@ -447,7 +447,8 @@ def _layer_evidence(base: LayerBaseline, window: TriagedWindow, num_gpus: int) -
         per_pair_before = base.compute_seconds / base.model_max_gpu_load
         speed = min(2.0, max(0.5, per_pair_now / per_pair_before))
     seconds = metrics.get("layer_seconds_per_step")
-    return {"balancedness": float(metrics["balancedness"]),
+    balancedness = metrics.get("balancedness")  # absent evidence: NaN, which never reads as a regression
+    return {"balancedness": float("nan") if balancedness is None else float(balancedness),
             "balancedness_control": min(1.0, old_model + base.model_bias),
             "seconds": float("nan") if seconds is None else float(seconds),
             "seconds_control": (base.layer_seconds + base.compute_seconds * (growth - 1.0)) * speed,

@@ -279,3 +279,16 @@ def test_a_deliberately_bad_plan_is_rolled_back_through_noise(helpers):
     assert outcome.status == "rollback" and 0 in outcome.worse_layers
     n = outcome.numbers[0]
     assert n["balancedness_after"] < n["balancedness_old_map_same_load"] - c.rollback_balancedness_drop
+
+
+def test_absent_evidence_never_reads_as_a_regression(helpers):
+    """A source that cannot measure rank loads or timings leaves them out: verification keeps the plan
+    rather than comparing numbers that are not there."""
+    load, new, baseline = _neutral_change(helpers)
+    windows = _windows(helpers, load, new, [1.0, 1.0, 1.0])
+    for t in windows:
+        for key in ("balancedness", "layer_seconds_per_step", "compute_seconds_per_step"):
+            t.diagnosis.layers[0].metrics[key] = None
+    outcome = policy.verify(baseline, windows, cfg(verify_windows=3), W)
+    assert outcome.status == "keep"
+    assert np.isnan(outcome.numbers[0]["balancedness_after"]) and np.isnan(outcome.numbers[0]["layer_seconds_after"])
