@@ -39,12 +39,13 @@ from .store import GroupStore, TriagedWindow
 
 # The demo's EP group: each rank on its own core(s), so the busiest rank sets the step; two hot
 # experts carrying 70 % of the pairs start on rank 0, and spare slots (12 for 8 experts) leave the
-# agent room to replicate them. Experts are big enough that expert compute, not the gloo
-# all-to-all, is most of a layer.
+# agent room to replicate them. Small experts (128 x 512, their weights stay in cache) and many
+# tokens per expert keep a rank's expert time proportional to its pairs: with big experts and few
+# rows per expert a CPU matmul streams the weights whatever the rows, and balancing barely moves it.
 DEMO_RUNTIME = {
-    "layers": 4, "experts": 8, "slots": 12, "top-k": 2, "hidden": 256, "ffn": 3072, "batch-tokens": 256,
+    "layers": 4, "experts": 8, "slots": 12, "top-k": 2, "hidden": 128, "ffn": 512, "batch-tokens": 1024,
     "workload": "zipf", "zipf": 0.0, "hot-experts": 2, "hot-share": 0.7, "hot-on-rank": 0,
-    "window-steps": 8, "warmup-steps": 2, "model-name": "demo", "ep-group": "ep0",
+    "window-steps": 16, "warmup-steps": 2, "model-name": "demo", "ep-group": "ep0",
 }
 # On GPUs (one rank per GPU, NCCL) the same skew on a shape that keeps a GPU busy.
 DEMO_RUNTIME_GPU = {**DEMO_RUNTIME, "hidden": 2048, "ffn": 4096, "batch-tokens": 4096, "window-steps": 20,
