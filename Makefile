@@ -79,6 +79,7 @@ test: install sglang-env vllm-env system-deps
 bench: install
 	$(VENV)/bin/moewatch bench planner
 	$(VENV)/bin/moewatch bench probe
+	$(VENV)/bin/moewatch bench loop
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -64,10 +64,11 @@ def agent(config_path: str | None, print_config: bool, **flags) -> None:
 
 
 @click.command()
-@click.option("--seconds", type=click.FloatRange(5, 3600), default=60.0, show_default=True,
-              help="How long the runtime serves (startup and the summary add about 20 s).")
+@click.option("--seconds", type=click.FloatRange(5, 3600), default=45.0, show_default=True,
+              help="How long the runtime serves (startup and the summary add about 15 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print only the summary object as JSON.")
-@click.option("--ranks", type=click.IntRange(2, 8), default=4, show_default=True, help="CPU ranks (gloo).")
+@click.option("--ranks", type=click.IntRange(1, 8), default=None,
+              help="EP ranks (default: one per GPU with NCCL, else one per core, 2 to 4, with gloo).")
 @click.option("--keep", type=click.Path(file_okay=False), default=None,
               help="Folder for the socket, audit log and windows (default: a temporary folder).")
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT for the agent's /metrics.")

@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import click
 import numpy as np
@@ -34,20 +37,54 @@ import numpy as np
 from .config import build_config
 from .store import GroupStore, TriagedWindow
 
-# The demo's EP group: small enough for 4 ranks on 2 cores, with spare slots to replicate into.
+# The demo's EP group: each rank on its own core(s), so the busiest rank sets the step; two hot
+# experts carrying 70 % of the pairs start on rank 0, and spare slots (12 for 8 experts) leave the
+# agent room to replicate them. Small experts (128 x 512, their weights stay in cache) and many
+# tokens per expert keep a rank's expert time proportional to its pairs: with big experts and few
+# rows per expert a CPU matmul streams the weights whatever the rows, and balancing barely moves it.
 DEMO_RUNTIME = {
-    "layers": 4, "experts": 16, "slots": 24, "top-k": 2, "hidden": 128, "ffn": 512, "batch-tokens": 256,
-    "workload": "drift", "hot-experts": 2, "hot-share": 0.5, "zipf": 0.0, "drift-every": 250,
-    "window-steps": 10, "model-name": "demo", "ep-group": "ep0",
+    "layers": 4, "experts": 8, "slots": 12, "top-k": 2, "hidden": 128, "ffn": 512, "batch-tokens": 1024,
+    "workload": "zipf", "zipf": 0.0, "hot-experts": 2, "hot-share": 0.7, "hot-on-rank": 0,
+    "window-steps": 16, "warmup-steps": 2, "model-name": "demo", "ep-group": "ep0",
 }
-# The agent reacts in seconds (a production default is minutes): the demo's drift comes every ~15 s.
+# On GPUs (one rank per GPU, NCCL) the same skew on a shape that keeps a GPU busy.
+DEMO_RUNTIME_GPU = {**DEMO_RUNTIME, "hidden": 2048, "ffn": 4096, "batch-tokens": 4096, "window-steps": 20,
+                    "backend": "nccl", "dtype": "bfloat16"}
+# The agent reacts in seconds (a production default is minutes).
 DEMO_AGENT = {
-    "mode": "act", "persist_windows": 6, "verify_windows": 3, "plan_interval_seconds": 1.0,
-    "triage_interval_seconds": 0.2, "export_interval_seconds": 1.0, "cooldown_seconds": 8.0,
+    "mode": "act", "persist_windows": 2, "verify_windows": 3, "plan_interval_seconds": 0.5,
+    "triage_interval_seconds": 0.2, "export_interval_seconds": 1.0, "cooldown_seconds": 10.0,
     "max_plans_per_hour": 120, "horizon_seconds": 300.0, "history_windows": 256,
-    # The demo's experts are 128 x 512 float32 (x3 matrices), moved over shared memory.
-    "expert_bytes": 3 * 128 * 512 * 4, "migration_bandwidth_bytes_per_second": 1e9,
+    # Weights move over shared memory (gloo) or NVLink/PCIe (NCCL); expert_bytes follows the shape.
+    "migration_bandwidth_bytes_per_second": 1e9,
 }
+
+
+def agent_settings(runtime_flags: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """DEMO_AGENT with the bytes of one expert of this runtime shape (three hidden x ffn matrices)."""
+    element = 2 if runtime_flags.get("dtype") in ("bfloat16", "float16") else 4
+    return {**DEMO_AGENT, "expert_bytes": 3 * int(runtime_flags["hidden"]) * int(runtime_flags["ffn"]) * element,
+            **changes}
+
+
+def visible_gpus() -> int:
+    """CUDA GPUs the runtime would see (0 without a driver). Asked of a subprocess: the agent never
+    imports torch, and a machine without an NVIDIA device node is answered without starting one."""
+    if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
+        return 0
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count() "
+                               "if torch.cuda.is_available() else 0)"], capture_output=True, text=True, timeout=120)
+        return int(proc.stdout.strip() or 0) if proc.returncode == 0 else 0
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        return 0
+
+
+def default_ranks(gpus: int) -> int:
+    """One rank per GPU; on CPUs one per core this process may use (2 to 4), so each has its own."""
+    if gpus:
+        return gpus
+    return min(4, max(2, len(os.sched_getaffinity(0))))
 
 
 class DemoError(Exception):
@@ -68,10 +105,12 @@ def _colour(text: str, verdict: str, enabled: bool) -> str:
 class _Recorder:
     """Collects what the summary needs from the agent's window and audit callbacks."""
 
-    def __init__(self, live: bool, started: float):
+    def __init__(self, live: bool, started: float, err: bool = False, prefix: str = ""):
         self.live = live
         self.started = started
-        self.colour = live and sys.stdout.isatty()
+        self.err = err  # progress on stderr (the bench keeps stdout for its JSON)
+        self.prefix = prefix
+        self.colour = live and (sys.stderr if err else sys.stdout).isatty()
         self.windows: list[TriagedWindow] = []
         self.events: list[dict[str, Any]] = []
         self.first_window_at: tuple[float, resource.struct_rusage] | None = None
@@ -81,7 +120,7 @@ class _Recorder:
 
     def _print(self, text: str) -> None:
         if self.live:
-            click.echo(f"[{time.monotonic() - self.started:6.1f}s] {text}")
+            click.echo(f"{self.prefix}[{time.monotonic() - self.started:6.1f}s] {text}", err=self.err)
 
     def on_window(self, group: GroupStore, t: TriagedWindow) -> None:
         now = (time.monotonic(), resource.getrusage(resource.RUSAGE_SELF))
@@ -119,10 +158,10 @@ class _Recorder:
             self._print(f"  {event}: epoch {entry.get('epoch')} {entry.get('reason') or entry.get('error') or ''}")
 
 
-def _runtime_command(socket_path: str, seconds: float, ranks: int) -> list[str]:
+def runtime_command(socket_path: str, seconds: float, ranks: int, flags: dict[str, Any]) -> list[str]:
     cmd = [sys.executable, "-m", "moewatch.cli", "runtime", "--ranks", str(ranks), "--steps", "0",
            "--seconds", f"{seconds:g}", "--socket", socket_path, "--json"]
-    for key, value in DEMO_RUNTIME.items():
+    for key, value in flags.items():
         cmd += [f"--{key}", str(value)]
     return cmd
 
@@ -157,39 +196,49 @@ def _pct(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
-def run_demo(seconds: float = 60.0, ranks: int = 4, folder: str | None = None, listen: str = "127.0.0.1:0",
-             live: bool = True) -> dict[str, Any]:
+@dataclass
+class Session:
+    """One runtime run with the agent beside it: what the summaries are computed from."""
+
+    windows: list[TriagedWindow]
+    events: list[dict[str, Any]]
+    runtime: dict[str, Any]  # the runtime's --json result
+    rejected: dict[str, int]
+    cpu_share: float | None
+    current_rss: int
+    peak_rss: int
+    audit_log: str
+    metrics_url: str
+    work: Path
+
+
+def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str, Any], seconds: float, ranks: int,
+                listen: str = "127.0.0.1:0", recorder: _Recorder | None = None,
+                announce: Callable[[str], None] | None = None) -> Session:
+    """Start an agent (in this process) on a socket in `work`, run `moewatch runtime` against it for
+    `seconds`, wait for the agent to triage the last windows, stop the agent."""
     from .daemon import Daemon
 
-    work = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="moewatch-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     socket_path = str(work / "agent.sock")
     if len(socket_path.encode()) > 100:  # sun_path holds 108 bytes
         raise DemoError(f"--keep: {work} is too long a path for a unix socket inside it")
-    cfg = build_config(flags={**DEMO_AGENT, "socket": socket_path, "listen": listen,
+    cfg = build_config(flags={**agent_flags, "socket": socket_path, "listen": listen,
                               "audit_log": str(work / "audit.jsonl")}, environ={})
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.ERROR)
-    started = time.monotonic()
-    recorder = _Recorder(live, started)
+    recorder = recorder or _Recorder(False, time.monotonic())
     daemon = Daemon(cfg)
     daemon.window_listeners.append(recorder.on_window)
     daemon.start()
     daemon.controller.listeners.append(recorder.on_event)
     metrics_url = daemon.http_url + "/metrics"
-    cmd = _runtime_command(socket_path, seconds, ranks)
-    if live:
-        click.echo(f"moewatch demo: reference runtime on {ranks} CPU ranks ({DEMO_RUNTIME['layers']} layers, "
-                   f"{DEMO_RUNTIME['experts']} experts in {DEMO_RUNTIME['slots']} slots, {DEMO_RUNTIME['hot-experts']} "
-                   f"hot experts carrying {DEMO_RUNTIME['hot-share']:.0%} of pairs, moving every "
-                   f"{DEMO_RUNTIME['drift-every']} steps) for {seconds:g} s; agent in act mode")
-        click.echo(f"  folder {work}\n  metrics {metrics_url}\n  audit log {cfg.audit_log}")
-        click.echo("  starting the runtime's ranks (torch import and gloo setup take a few seconds)...")
+    if announce is not None:
+        announce(metrics_url)
     log_path = work / "runtime.log"
     try:
         with open(log_path, "w", encoding="utf-8") as log_file:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=seconds + 300)
+            proc = subprocess.run(runtime_command(socket_path, seconds, ranks, runtime_flags), stdout=subprocess.PIPE,
+                                  stderr=log_file, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                  timeout=seconds + 300)
         if proc.returncode != 0:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
             raise DemoError(f"the runtime exited {proc.returncode}: {' / '.join(tail)} (log: {log_path})")
@@ -198,32 +247,116 @@ def run_demo(seconds: float = 60.0, ranks: int = 4, folder: str | None = None, l
         except (json.JSONDecodeError, IndexError):
             raise DemoError(f"the runtime printed no result (log: {log_path})") from None
         # The last windows may still be in the triage job's queue.
-        group = daemon.store.get((DEMO_RUNTIME["model-name"], DEMO_RUNTIME["ep-group"]))
+        group = daemon.store.get((runtime_flags["model-name"], runtime_flags["ep-group"]))
         deadline = time.monotonic() + 5
         while group is not None and group.untriaged and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(2 * cfg.triage_interval_seconds)
         current_rss, peak_rss = _rss_bytes()
-        summary = _summarise(recorder, runtime, daemon, cfg, work, metrics_url, current_rss, peak_rss)
+        rejected = {labels[0]: int(v) for labels, v in daemon.metrics.series("moewatch_frames_rejected_total")}
     except subprocess.TimeoutExpired:
         raise DemoError(f"the runtime did not finish within {seconds + 300:g} s (log: {log_path})") from None
     finally:
         daemon.stop()
+    with recorder.lock:
+        windows, events = list(recorder.windows), list(recorder.events)
+        first, last = recorder.first_window_at, recorder.last_window_at
+    ingest_wall = (last[0] - first[0]) if first and last and last[0] > first[0] else None
+    cpu_share = (_cpu(last[1]) - _cpu(first[1])) / ingest_wall if ingest_wall else None
+    return Session(windows, events, runtime, rejected, cpu_share, current_rss, peak_rss, str(cfg.audit_log),
+                   metrics_url, work)
+
+
+# --- steady state ---------------------------------------------------------------------------------
+
+def migration_spans(events: list[dict[str, Any]]) -> list[tuple[float, float, int]]:
+    """(sent, answered, epoch) of every plan's migration, unix times from the audit entries; a plan
+    still unanswered at the end runs to infinity."""
+    spans, open_at = [], None
+    for e in events:
+        if e["event"] == "plan_sent":
+            open_at = (e["time"], int(e["epoch"]))
+        elif e["event"] in ("plan_applied", "rolled_back", "plan_failed") and open_at is not None:
+            spans.append((open_at[0], e["time"], open_at[1]))
+            open_at = None
+    if open_at is not None:
+        spans.append((open_at[0], math.inf, open_at[1]))
+    return spans
+
+
+def steady_windows(windows: list[TriagedWindow], events: list[dict[str, Any]]) -> list[TriagedWindow]:
+    """Windows whose steps carried no migration: none at an older epoch than a plan that was moving
+    weights while the window ran (a plan's own epoch starts once its weights are in place)."""
+    spans = migration_spans(events)
+    return [t for t in windows
+            if not any(t.window.epoch < epoch and t.window.start_time < end and t.window.end_time > start
+                       for start, end, epoch in spans)]
+
+
+def step_figures(windows: list[TriagedWindow], events: list[dict[str, Any]], warmup_steps: int = 0) -> dict[str, Any]:
+    """Step p50/p99 before (the starting epoch, the run's first `warmup_steps` left out) and after
+    (every later epoch), both on steady-state windows only; the migration stall apart, per plan."""
+    start_epoch = windows[0].window.epoch if windows else 0
+    steady = {id(t) for t in steady_windows(windows, events)}
+    before = [t for t in windows if t.window.epoch == start_epoch and id(t) in steady]
+    after = [t for t in windows if t.window.epoch > start_epoch and id(t) in steady]
+    steps_before, steps_after = _steps(before), _steps(after)
+    if before and before[0] is windows[0]:
+        steps_before = steps_before[warmup_steps:]
+    stalls = [float(e.get("stall_seconds") or 0.0) for e in events if e["event"] in ("plan_applied", "rolled_back")]
+    return {
+        "windows_before": len(before), "windows_after": len(after),
+        "balancedness_before": _mean_balancedness(before), "balancedness_after": _mean_balancedness(after),
+        "step_p50_before_s": _pct(steps_before, 50), "step_p50_after_s": _pct(steps_after, 50),
+        "step_p99_before_s": _pct(steps_before, 99), "step_p99_after_s": _pct(steps_after, 99),
+        "migration_stall_s": {"total": float(sum(stalls)), "per_plan": stalls},
+    }
+
+
+def old_map_figures(events: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The agent's control figures: for its verified plans, the changed layers' measured balancedness
+    and time per step on the new map, and what the old map gives on the same traffic (means)."""
+    numbers = [n for e in events if e["event"] in ("verified", "rollback") for n in (e.get("numbers") or {}).values()]
+    if not numbers:
+        return None
+    keys = ("balancedness_after", "balancedness_old_map_same_load", "layer_seconds_after",
+            "layer_seconds_old_map_same_load")
+    return {k: float(np.mean([n[k] for n in numbers if k in n and n[k] is not None])) for k in keys}
+
+
+def run_demo(seconds: float = 45.0, ranks: int | None = None, folder: str | None = None,
+             listen: str = "127.0.0.1:0", live: bool = True) -> dict[str, Any]:
+    work = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="moewatch-demo-"))
+    gpus = visible_gpus()
+    flags = DEMO_RUNTIME_GPU if gpus else DEMO_RUNTIME
+    ranks = ranks or default_ranks(gpus)
+    build_config(flags={**agent_settings(flags), "socket": str(work / "agent.sock"), "listen": listen}, environ={})  # bad --listen
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.ERROR)
+    logging.getLogger("moewatch.agent.jobs").setLevel(logging.ERROR)  # "missed a run" while ranks hold the cores
+    started = time.monotonic()
+    recorder = _Recorder(live, started)
+
+    def announce(metrics_url: str) -> None:
+        if not live:
+            return
+        device = f"{ranks} GPU ranks (NCCL)" if gpus else f"{ranks} CPU ranks (gloo, one per core)"
+        click.echo(f"moewatch demo: reference runtime on {device}, {flags['layers']} layers, {flags['experts']} "
+                   f"experts in {flags['slots']} slots; {flags['hot-experts']} hot experts carrying "
+                   f"{flags['hot-share']:.0%} of pairs start on rank 0; {seconds:g} s; agent in act mode")
+        click.echo(f"  folder {work}\n  metrics {metrics_url}\n  audit log {work / 'audit.jsonl'}")
+        click.echo("  starting the runtime's ranks (torch import and process group setup take a few seconds)...")
+
+    session = run_session(work, flags, agent_settings(flags), seconds, ranks, listen, recorder, announce)
+    summary = _summarise(session)
     (work / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if live:
         _print_summary(summary)
     return summary
 
 
-def _summarise(rec: _Recorder, runtime: dict[str, Any], daemon, cfg, work: Path, metrics_url: str,
-               current_rss: int, peak_rss: int) -> dict[str, Any]:
-    with rec.lock:
-        windows = list(rec.windows)
-        events = list(rec.events)
-        first, last = rec.first_window_at, rec.last_window_at
-    start_epoch = windows[0].window.epoch if windows else 0
-    before = [t for t in windows if t.window.epoch == start_epoch]
-    after = [t for t in windows if t.window.epoch > start_epoch]
+def _summarise(session: Session) -> dict[str, Any]:
+    windows, events, runtime = session.windows, session.events, session.runtime
     verdicts: dict[str, int] = {}
     for t in windows:
         for d in t.diagnosis.layers:
@@ -231,16 +364,14 @@ def _summarise(rec: _Recorder, runtime: dict[str, Any], daemon, cfg, work: Path,
             verdicts[key] = verdicts.get(key, 0) + 1
     decisions = [e for e in events if e["event"] == "decision"]
     applied = [e for e in events if e["event"] == "plan_applied"]
-    ingest_wall = (last[0] - first[0]) if first and last and last[0] > first[0] else None
-    cpu_share = (_cpu(last[1]) - _cpu(first[1])) / ingest_wall if ingest_wall else None
-    steps_before, steps_after = _steps(before), _steps(after)
-    rejected = {labels[0]: int(v) for labels, v in daemon.metrics.series("moewatch_frames_rejected_total")}
     return {
         "seconds": runtime["wall_seconds"],
         "ranks": runtime["config"]["ranks"],
+        "backend": runtime["config"]["backend"],
+        "cpu_binding": runtime.get("cpu_binding"),
         "windows_seen": len(windows),
-        "frames_rejected": sum(rejected.values()),
-        "frames_rejected_by_reason": rejected,
+        "frames_rejected": sum(session.rejected.values()),
+        "frames_rejected_by_reason": session.rejected,
         "verdicts": dict(sorted(verdicts.items())),
         "decisions": len(decisions),
         "actions_applied": sum(len(e["layers"]) for e in applied),
@@ -249,26 +380,19 @@ def _summarise(rec: _Recorder, runtime: dict[str, Any], daemon, cfg, work: Path,
         "plans_verified": sum(1 for e in events if e["event"] == "verified"),
         "rollbacks": sum(1 for e in events if e["event"] == "rolled_back"),
         "final_epoch": runtime["epoch"],
-        "windows_before": len(before),
-        "windows_after": len(after),
-        "balancedness_before": _mean_balancedness(before),
-        "balancedness_after": _mean_balancedness(after),
-        "step_p50_before_s": _pct(steps_before, 50),
-        "step_p50_after_s": _pct(steps_after, 50),
-        "step_p99_before_s": _pct(steps_before, 99),
-        "step_p99_after_s": _pct(steps_after, 99),
-        "migration_stall_s": [a.get("stall_seconds") for a in applied],
+        **step_figures(windows, events, int(runtime["config"]["warmup_steps"])),
+        "old_map_same_traffic": old_map_figures(events),
         "pairs_routed": runtime["pairs_routed"],
         "pairs_dropped": runtime["pairs_dropped"],
         "pairs_lost": runtime["pairs_lost"],
         # The runtime counts pairs; a token is lost only if one of its pairs is, so this bounds it.
         "tokens_lost": runtime["pairs_lost"],
-        "agent_cpu_share": cpu_share,
-        "agent_rss_bytes": current_rss,
-        "agent_peak_rss_bytes": peak_rss,
-        "audit_log": str(cfg.audit_log),
-        "metrics_url": metrics_url,
-        "folder": str(work),
+        "agent_cpu_share": session.cpu_share,
+        "agent_rss_bytes": session.current_rss,
+        "agent_peak_rss_bytes": session.peak_rss,
+        "audit_log": session.audit_log,
+        "metrics_url": session.metrics_url,
+        "folder": str(session.work),
     }
 
 
@@ -279,8 +403,8 @@ def _fmt(value: float | None, unit: str = "", scale: float = 1.0, digits: int = 
 def _print_summary(s: dict[str, Any]) -> None:
     click.echo("")
     click.echo("summary")
-    click.echo(f"  windows seen        {s['windows_seen']} ({s['windows_before']} before the first plan, "
-               f"{s['windows_after']} after); frames rejected {s['frames_rejected']}"
+    click.echo(f"  windows seen        {s['windows_seen']} ({s['windows_before']} steady before the first plan, "
+               f"{s['windows_after']} steady after); frames rejected {s['frames_rejected']}"
                + (f" ({', '.join(f'{k} {v}' for k, v in s['frames_rejected_by_reason'].items())})"
                   if s["frames_rejected"] else ""))
     click.echo("  verdicts            " + ", ".join(f"{k} {v}" for k, v in s["verdicts"].items()))
@@ -288,9 +412,21 @@ def _print_summary(s: dict[str, Any]) -> None:
                f"({s['plans_verified']} verified, {s['rollbacks']} rolled back), {s['actions_skipped']} skipped")
     click.echo(f"  balancedness        {_fmt(s['balancedness_before'])} before -> {_fmt(s['balancedness_after'])} after")
     click.echo(f"  step p50            {_fmt(s['step_p50_before_s'], ' ms', 1e3, 1)} before -> "
-               f"{_fmt(s['step_p50_after_s'], ' ms', 1e3, 1)} after")
+               f"{_fmt(s['step_p50_after_s'], ' ms', 1e3, 1)} after (steady state: no migration in the window)")
     click.echo(f"  step p99            {_fmt(s['step_p99_before_s'], ' ms', 1e3, 1)} before -> "
                f"{_fmt(s['step_p99_after_s'], ' ms', 1e3, 1)} after")
+    stall = s["migration_stall_s"]
+    click.echo(f"  migration stall     {stall['total'] * 1e3:.0f} ms in all ("
+               + (", ".join(f"{x * 1e3:.0f}" for x in stall["per_plan"]) or "no plan") + " ms per plan), apart from the above")
+    old = s["old_map_same_traffic"]
+    if old is not None:
+        click.echo(f"  control             old map on the same traffic (agent's model, changed layers): balancedness "
+                   f"{old['balancedness_old_map_same_load']:.3f} vs {old['balancedness_after']:.3f} measured, "
+                   f"layer time {old['layer_seconds_old_map_same_load'] * 1e3:.1f} vs "
+                   f"{old['layer_seconds_after'] * 1e3:.1f} ms/step")
+    b = s.get("cpu_binding") or {}
+    if b.get("warning"):
+        click.echo(f"  note                {b['warning']}")
     click.echo(f"  pairs lost          {s['pairs_lost']} of {s['pairs_routed']} routed (dropped by capacity: "
                f"{s['pairs_dropped']})")
     click.echo(f"  agent               {_fmt(s['agent_cpu_share'], '%', 100, 1)} of one core while ingesting, "

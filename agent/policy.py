@@ -485,45 +485,95 @@ class Verification:
     numbers: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
+# Verification decides on at least this many windows of the new epoch (verify_windows may ask more),
+# and waits up to VERIFY_PATIENCE times as many for a regression seen in the median to persist.
+MIN_VERIFY_WINDOWS = 3
+VERIFY_PATIENCE = 3
+
+
+def _layer_evidence(base: LayerBaseline, window: TriagedWindow, num_gpus: int) -> dict[str, float]:
+    """One window of the new epoch against the control for the same traffic: the old map on this
+    window's load (its balancedness, corrected by the model's bias measured before the change, and
+    its time per step). The time control is the time before, its slowest-rank compute scaled by how
+    the old map's busiest GPU grows or shrinks with this load, and by how fast the machine computes a
+    pair now against before (so a machine-wide slowdown, e.g. other work on shared cores, is not
+    blamed on the plan, while a plan that makes the layer slow in another way still is)."""
+    layer = base.layer
+    metrics = window.diagnosis.layers[layer].metrics
+    load = computed_load([window])[layer:layer + 1]
+    old_row = base.old_map[None, :]
+    old_model = float(pm.balancedness(load, old_row, num_gpus)[0])
+    growth = (float(pm.gpu_load(load, old_row, num_gpus).max()) / base.model_max_gpu_load
+              if base.model_max_gpu_load > 0 else 1.0)
+    speed = 1.0
+    compute = metrics.get("compute_seconds_per_step")
+    new_busiest = float(pm.gpu_load(load, np.asarray(window.window.physical_to_logical_map)[layer:layer + 1],
+                                    num_gpus).max())
+    if (compute is not None and math.isfinite(compute) and new_busiest > 0 and base.model_max_gpu_load > 0
+            and base.compute_seconds > 0 and math.isfinite(base.compute_seconds)):
+        per_pair_now = compute / new_busiest
+        per_pair_before = base.compute_seconds / base.model_max_gpu_load
+        speed = min(2.0, max(0.5, per_pair_now / per_pair_before))
+    seconds = metrics.get("layer_seconds_per_step")
+    balancedness = metrics.get("balancedness")  # absent evidence: NaN, which never reads as a regression
+    return {"balancedness": float("nan") if balancedness is None else float(balancedness),
+            "balancedness_control": min(1.0, old_model + base.model_bias),
+            "seconds": float("nan") if seconds is None else float(seconds),
+            "seconds_control": (base.layer_seconds + base.compute_seconds * (growth - 1.0)) * speed,
+            "machine_speed": speed}
+
+
 def verify(baseline: dict[int, LayerBaseline], windows: Sequence[TriagedWindow], cfg, num_gpus: int) -> Verification:
     """Judge a plan from `windows` (only those of its epoch: the caller fences).
 
-    A changed layer got worse when either
-    - its measured balancedness is below what its old placement would give on the same traffic
-      (the model's figure for the old map on the new windows' load, corrected by the model's bias
-      measured before the change) by more than rollback_balancedness_drop; or
-    - its per-step time is above what the old placement would take on the same traffic by more than
-      rollback_time_rise: the time before, its slowest-rank compute scaled by how the old map's
-      busiest GPU would have grown or shrunk with the new load (the fixed collective cost kept).
-    Both compare like with like, so a shift in traffic after the change (drift) is not blamed on it.
+    Each window of the new epoch is compared, per changed layer, with the control for the same
+    traffic (`_layer_evidence`: the old map on that window's load). A layer regressed when
+    - its balancedness is below the control's by more than rollback_balancedness_drop, or
+    - its time per step is above the control's by more than rollback_time_rise.
+    Noise cannot decide alone: the verdict uses the median over the last n windows
+    (n = max(verify_windows, MIN_VERIFY_WINDOWS)), and a rollback also needs the regression in every
+    one of those n windows (it persists). A median regression that does not persist waits for more
+    windows, up to VERIFY_PATIENCE * n of them, then the plan is kept. Comparing with the old map on
+    the same traffic keeps a shift in traffic after the change (drift) from being blamed on it.
     """
-    if len(windows) < cfg.verify_windows:
+    n = max(cfg.verify_windows, MIN_VERIFY_WINDOWS)
+    if len(windows) < n:
         return Verification("wait")
-    recent = list(windows[-cfg.verify_windows:])
-    load = computed_load(recent)
-    worse, numbers, reasons = [], {}, []
+    recent = list(windows[-n:])
+    worse, numbers, reasons, unsettled = [], {}, [], []
     for layer, base in baseline.items():
-        measured = _mean_metric(recent, layer, "balancedness")
-        seconds = _mean_metric(recent, layer, "layer_seconds_per_step")
-        old_row = base.old_map[None, :]
-        old_model = float(pm.balancedness(load[layer:layer + 1], old_row, num_gpus)[0])
-        counterfactual = min(1.0, old_model + base.model_bias)
-        growth = (float(pm.gpu_load(load[layer:layer + 1], old_row, num_gpus).max()) / base.model_max_gpu_load
-                  if base.model_max_gpu_load > 0 else 1.0)
-        expected_seconds = base.layer_seconds + base.compute_seconds * (growth - 1.0)
-        numbers[layer] = {"balancedness_before": base.balancedness, "balancedness_after": measured,
-                          "balancedness_old_map_same_load": counterfactual,
-                          "layer_seconds_before": base.layer_seconds, "layer_seconds_after": seconds,
-                          "layer_seconds_old_map_same_load": expected_seconds}
-        if measured < counterfactual - cfg.rollback_balancedness_drop:
+        seen = [_layer_evidence(base, t, num_gpus) for t in recent]
+        drop = np.array([e["balancedness"] - e["balancedness_control"] for e in seen])
+        rise = np.array([e["seconds"] / e["seconds_control"] - 1.0
+                         if math.isfinite(e["seconds"]) and e["seconds_control"] > 0 else float("nan") for e in seen])
+        med = {k: float(np.median([e[k] for e in seen])) for k in seen[0]}
+        numbers[layer] = {"balancedness_before": base.balancedness, "balancedness_after": med["balancedness"],
+                          "balancedness_old_map_same_load": med["balancedness_control"],
+                          "layer_seconds_before": base.layer_seconds, "layer_seconds_after": med["seconds"],
+                          "layer_seconds_old_map_same_load": med["seconds_control"],
+                          "machine_speed": med["machine_speed"], "windows": n}
+        balance_median = float(np.median(drop)) < -cfg.rollback_balancedness_drop
+        balance_persists = bool(np.all(drop < -cfg.rollback_balancedness_drop))
+        timed = rise[np.isfinite(rise)]
+        time_median = len(timed) == n and float(np.median(timed)) > cfg.rollback_time_rise
+        time_persists = len(timed) == n and bool(np.all(timed > cfg.rollback_time_rise))
+        if balance_median and balance_persists:
             worse.append(layer)
-            reasons.append(f"layer {layer} balancedness {measured:.3f} vs {counterfactual:.3f} with the old "
-                           "placement on the same load")
-        elif (math.isfinite(seconds) and math.isfinite(expected_seconds) and expected_seconds > 0
-              and seconds > expected_seconds * (1 + cfg.rollback_time_rise)):
+            reasons.append(f"layer {layer} balancedness {med['balancedness']:.3f} vs {med['balancedness_control']:.3f} "
+                           f"with the old placement on the same load (median of {n} windows, each worse)")
+        elif time_median and time_persists:
             worse.append(layer)
-            reasons.append(f"layer {layer} takes {seconds * 1e3:.2f} ms/step vs {expected_seconds * 1e3:.2f} expected "
-                           f"with the old placement on the same load (+{seconds / expected_seconds - 1:.0%})")
+            reasons.append(f"layer {layer} takes {med['seconds'] * 1e3:.2f} ms/step vs {med['seconds_control'] * 1e3:.2f} "
+                           f"expected with the old placement on the same load (+{float(np.median(timed)):.0%}, "
+                           f"median of {n} windows, each slower)")
+        elif balance_median or time_median:
+            unsettled.append(layer)
     if worse:
         return Verification("rollback", tuple(worse), "; ".join(reasons), numbers)
+    if unsettled and len(windows) < VERIFY_PATIENCE * n:
+        return Verification("wait", (), f"layers {unsettled}: a regression in the median that did not persist in "
+                            f"every window; waiting for more windows", numbers)
+    if unsettled:
+        return Verification("keep", (), f"layers {unsettled} regressed in some windows, never in {n} in a row over "
+                            f"{len(windows)} windows: kept", numbers)
     return Verification("keep", (), "every changed layer held or improved", numbers)

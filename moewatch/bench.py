@@ -15,10 +15,12 @@ SUBCOMMANDS = {
     "probe": ("moewatch.runtime.bench:probe", "The probe's overhead on the forward step (on over off)."),
     "agent": ("moewatch.agent.bench:agent", "An agent process's CPU, memory, scrape time and lag at a window size and rate."),
     "vllm": ("moewatch.runtime.engines.bench:vllm", "The vLLM plugin's cost: tokens/s active over inactive."),
+    "loop": ("moewatch.agent.loopbench:loop", "Closed loop: step time before and after the agent acts, with a control."),
 }
 
 
 @click.group(cls=LazyGroup, verbs=SUBCOMMANDS)
 def bench() -> None:
     """Benchmarks: `planner` (against DeepSeek's EPLB), `probe` (overhead on the forward step), `agent`
-    (one agent process at a window size and rate)."""
+    (one agent process at a window size and rate), `vllm` (the vLLM plugin's cost), `loop` (step time
+    before and after the agent acts)."""

@@ -69,6 +69,8 @@ def execution_options(command):
 @click.option("--router", type=click.Choice(["learned", "synthetic"]), default="synthetic", show_default=True)
 @click.option("--placement", "placement_file", type=click.Path(dir_okay=False), default=None,
               help="JSON file with physical_to_logical_map [L][P] in force at start.")
+@click.option("--hot-on-rank", "hot_on_rank", type=int, default=None,
+              help="Start with each layer's hot experts on this rank (a skewed start for the agent to fix).")
 @click.option("--migrate-layers-per-step", "migrate_layers_per_step", type=int, default=1, show_default=True)
 @click.option("--socket", "socket_path", default=None, envvar="MOEWATCH_SOCKET",
               help="The agent's unix socket, or tcp://HOST:PORT of its TCP listener (the runtime connects to it).")
@@ -125,6 +127,11 @@ def echo_result(result, cfg: RuntimeConfig, as_json: bool) -> None:
                f"{result.pairs_dropped} dropped, {result.pairs_rerouted} rerouted, {result.pairs_lost} lost")
     click.echo(f"epoch {result.epoch}; plans applied {result.plans_applied}, refused {result.plans_refused}, "
                f"failed {result.plans_failed}; windows {result.windows_built}")
+    b = result.cpu_binding
+    if b.get("pinned"):
+        click.echo(f"cores: each rank pinned to its own ({b['rank_cores']}, by rank), {b['threads_per_rank']} thread(s) each")
+    elif b:
+        click.echo(f"cores: not pinned: {b['warning']}")
     if result.sender is not None:
         s = result.sender
         click.echo(f"agent link: {s['frames_sent']} frames sent, {s['frames_dropped']} dropped, "

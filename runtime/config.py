@@ -64,6 +64,9 @@ class RuntimeConfig:
     overflow: str = "drop"
     # --- placement and control --------------------------------------------------------------------
     placement: Any = None  # initial physical_to_logical_map [L][P]; None: slot s holds expert s % E
+    # Start with each layer's hot experts (synthetic routing) on this rank: a skewed start the agent
+    # can fix, for benchmarks and the demo. Ignored when `placement` is given.
+    hot_on_rank: int | None = None
     migrate_layers_per_step: int = 1  # bound on the stall a plan adds to one step
     # (step, plan dict) pairs injected into rank 0's plan inbox as if they came from the agent
     scripted_plans: list = field(default_factory=list)
@@ -85,7 +88,8 @@ class RuntimeConfig:
     # --- execution ----------------------------------------------------------------------------------
     kernel: str = "torch"
     backend: str = "gloo"
-    threads_per_rank: int | None = None  # None: the machine's cores shared evenly
+    # None: one thread per rank when each rank has its own cores (pinned), else 1 (ranks time-share)
+    threads_per_rank: int | None = None
     collective_timeout_s: float = 120.0
     seed: int = 0
 
@@ -190,6 +194,14 @@ def validate(cfg: RuntimeConfig) -> RuntimeConfig:
         for layer in range(cfg.layers):
             if len(np.unique(pmap[layer])) != E:
                 raise ConfigError("placement", f"layer {layer}: every expert needs at least one slot")
+    if cfg.hot_on_rank is not None:
+        _non_negative_int(cfg, "hot_on_rank")
+        if cfg.hot_on_rank >= W:
+            raise ConfigError("hot_on_rank", f"rank {cfg.hot_on_rank} is not one of the {W} ranks")
+        if not cfg.hot_experts or cfg.router != "synthetic" or cfg.workload == "trace":
+            raise ConfigError("hot_on_rank", "needs synthetic routing with --hot-experts")
+        if cfg.hot_experts > P // W:
+            raise ConfigError("hot_on_rank", f"{cfg.hot_experts} hot experts do not fit in {P // W} slots per rank")
     if cfg.socket is not None:
         from .sender import agent_address
         try:

@@ -12,6 +12,7 @@ migration) -> the workload's batch -> forward with the probe -> the probe's flus
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import queue as queue_module
@@ -40,6 +41,8 @@ from .probe import RUNTIME_NAME, Probe, ProbeConfig
 from .sender import Sender
 from .workload import Workload
 
+log = logging.getLogger("moewatch.runtime.launcher")
+
 
 class GroupError(RuntimeError):
     """A rank of a spawned group failed; the message carries its traceback."""
@@ -56,10 +59,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def core_binding(world_size: int, threads_per_rank: int | None = None,
+                 cores: list[int] | None = None) -> dict[str, Any]:
+    """How the ranks of a group go on this process's cores: {"pinned", "rank_cores" ([W] lists of core
+    ids, or None), "threads_per_rank", "cores", "warning"}.
+
+    With at least one core per rank, rank r gets its own contiguous share of the cores (so the
+    busiest rank, not the total work, sets the step) and one intra-op thread by default; with fewer
+    cores than ranks nothing is pinned, each rank still gets one thread by default, the ranks
+    time-share the cores, and the warning says the step no longer measures the busiest rank."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    n = len(cores)
+    if n >= world_size:
+        share = n // world_size
+        rank_cores = [cores[r * share:(r + 1) * share] for r in range(world_size)]
+        return {"pinned": True, "rank_cores": rank_cores, "threads_per_rank": threads_per_rank or 1,
+                "cores": n, "warning": None}
+    return {"pinned": False, "rank_cores": None, "threads_per_rank": threads_per_rank or 1, "cores": n,
+            "warning": f"{world_size} ranks share {n} cores: ranks time-share the cores, so the total work, "
+                       "not the busiest rank, sets the step time"}
+
+
+def rank_view(rank: int, world_size: int) -> dict[str, Any]:
+    """What a rank of a group runs on: its allowed cores and torch's intra-op threads (a check)."""
+    return {"rank": rank, "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
+
+
 def _group_entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
-                 results, threads: int, timeout_s: float) -> None:
+                 results, threads: int, timeout_s: float, rank_cores: list | None = None) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    if rank_cores is not None:
+        os.sched_setaffinity(0, rank_cores[rank])  # before torch starts its thread pool
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -89,8 +120,11 @@ def terminate_ranks(processes) -> None:
 
 def run_group(world_size: int, fn: Callable, args: tuple = (), *, backend: str = "gloo",
               threads_per_rank: int | None = None, timeout_s: float = 120.0,
-              on_interrupt: Callable[[list], None] | None = None) -> list[Any]:
+              on_interrupt: Callable[[list], None] | None = None, binding: dict | None = None) -> list[Any]:
     """Run fn(rank, world_size, *args) on world_size spawned ranks; return the values by rank.
+
+    Each rank is pinned to its own cores when there are enough (`core_binding`; pass `binding` to
+    reuse one already computed); otherwise a warning is logged.
 
     on_interrupt(processes) is called when the launcher gets SIGINT or SIGTERM (default: forward
     SIGTERM to the ranks, which the runtime's ranks turn into a stop at the next step boundary).
@@ -98,12 +132,16 @@ def run_group(world_size: int, fn: Callable, args: tuple = (), *, backend: str =
     fn must be importable by name (a module-level function). A failing rank raises GroupError with
     its traceback, after the other ranks are terminated.
     """
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    binding = core_binding(world_size, threads_per_rank) if binding is None else binding
+    if binding["warning"]:
+        log.warning("%s", binding["warning"])
+    threads = binding["threads_per_rank"]
     on_interrupt = on_interrupt or terminate_ranks
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    context = mp.start_processes(_group_entry, args=(world_size, port, backend, fn, args, results, threads, timeout_s),
+    context = mp.start_processes(_group_entry, args=(world_size, port, backend, fn, args, results, threads, timeout_s,
+                                                     binding["rank_cores"]),
                                  nprocs=world_size, join=False, start_method="spawn")
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
@@ -179,6 +217,8 @@ class RuntimeResult:
     windows: list = field(default_factory=list)  # Window dicts when config.return_windows
     step_seconds: list = field(default_factory=list)  # every step, slowest rank
     config: dict = field(default_factory=dict)
+    # How ranks sat on cores: {"pinned", "rank_cores", "threads_per_rank", "cores", "warning"}
+    cpu_binding: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         """The JSON form printed by `moewatch runtime --json` (windows left out)."""
@@ -192,13 +232,19 @@ class RuntimeResult:
 def launch(config: RuntimeConfig, on_interrupt: Callable | None = None) -> RuntimeResult:
     """Validate, spawn the EP group, run the workload, return the measurements."""
     validate(config)
+    if config.hot_on_rank is not None and config.placement is None:
+        from .workload import hot_start_placement
+        config = config.replace(placement=hot_start_placement(config).tolist())
     if config.workload == "trace":
         from .workload import TraceRouting
         TraceRouting(config.trace, config.layers, config.experts, config.top_k, config.ranks)  # fail early
+    binding = core_binding(config.ranks, config.threads_per_rank)
     per_rank = run_group(config.ranks, run_rank, (config,), backend=config.backend,
                          threads_per_rank=config.threads_per_rank,
-                         timeout_s=config.collective_timeout_s, on_interrupt=on_interrupt)
-    return _merge(config, per_rank)
+                         timeout_s=config.collective_timeout_s, on_interrupt=on_interrupt, binding=binding)
+    result = _merge(config, per_rank)
+    result.cpu_binding = binding
+    return result
 
 
 def _merge(cfg: RuntimeConfig, per_rank: list[dict]) -> RuntimeResult:

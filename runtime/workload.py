@@ -154,3 +154,26 @@ class Workload:
             return Batch(valid, ids)
         ids = self.synthetic.sample(step, self.rank, cfg.batch_tokens) if self.synthetic else None
         return Batch(valid, ids)
+
+
+def hot_start_placement(cfg) -> np.ndarray:
+    """[L, P] a placement with each layer's hot experts (at step 0) on rank `cfg.hot_on_rank`.
+
+    Per layer, experts in popularity order (hot first) fill the ranks' first E/W-ish slots, starting
+    at the hot rank; each rank's spare slots hold more replicas of its own experts, so spares add no
+    load to another rank and the skew stays where it was put."""
+    routing = SyntheticRouting(cfg.layers, cfg.experts, cfg.top_k, zipf=cfg.zipf, hot_experts=cfg.hot_experts,
+                               hot_share=cfg.hot_share, seed=cfg.seed)
+    W, E, P = cfg.ranks, cfg.experts, cfg.num_slots
+    S = P // W
+    ranks = [(cfg.hot_on_rank + i) % W for i in range(W)]
+    out = np.zeros((cfg.layers, P), dtype=np.int64)
+    for layer in range(cfg.layers):
+        seq = routing.hot_set(layer, 0, E)  # every expert, hottest first
+        chunks = np.array_split(np.array(seq, dtype=np.int64), W)
+        for chunk, rank in zip(chunks, ranks):
+            own = chunk if len(chunk) else np.array(seq[:1], dtype=np.int64)
+            cold = own[cfg.hot_experts:] if rank == cfg.hot_on_rank and len(own) > cfg.hot_experts else own
+            spare = np.resize(cold[::-1], S - len(chunk))  # the coldest of its own experts first
+            out[layer, rank * S:(rank + 1) * S] = np.concatenate([chunk, spare])
+    return out

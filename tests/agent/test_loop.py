@@ -44,7 +44,7 @@ def test_act_replicates_acks_verifies_and_audits(start_agent, helpers):
     rt.send(wire.Ack(plan_epoch=1, epoch_in_force=1, ok=True, step=10, stall_seconds=0.01, layers_changed=2))
     assert helpers.wait_for(lambda: daemon.controller.control(group.key).verifying is not None)
     feed(rt, helpers, load, old, 1, 1100.0, epoch=0)
-    feed(rt, helpers, load, plan.physical_to_logical_map, 2, 1200.0, epoch=1)
+    feed(rt, helpers, load, plan.physical_to_logical_map, 3, 1200.0, epoch=1)  # MIN_VERIFY_WINDOWS
     assert helpers.wait_for(lambda: daemon.controller.control(group.key).verifying is None)
     assert daemon.metrics.get("moewatch_frames_rejected_total", ("stale_epoch",)) == 1
     after = np.mean([d.metrics["balancedness"] for d in group.latest().diagnosis.layers])
@@ -72,7 +72,7 @@ def test_bad_plan_is_rolled_back_with_a_new_epoch(start_agent, helpers):
     assert rt.wait_plan().epoch == 1
     rt.send(wire.Ack(plan_epoch=1, epoch_in_force=1, ok=True))
     assert helpers.wait_for(lambda: daemon.controller.control(group.key).verifying is not None)
-    feed(rt, helpers, load, bad, 2, 1200.0, epoch=1)
+    feed(rt, helpers, load, bad, 3, 1200.0, epoch=1)  # MIN_VERIFY_WINDOWS
     rollback = rt.wait_plan()
     assert rollback is not None and rollback.epoch == 2 and rollback.meta["rollback_of"] == 1
     assert np.array_equal(rollback.physical_to_logical_map, old)

@@ -137,15 +137,16 @@ def test_verify_keeps_a_good_plan_and_rolls_back_a_bad_one(helpers):
     before = triaged(helpers, load, old, 3)
     c = cfg(verify_windows=2)
     proposal = policy.decide(view(before), c, 0.0)
-    good = triaged(helpers, load, proposal.physical_to_logical_map, 2, epoch=1, start=2000.0)
-    assert policy.verify(proposal.baseline, good[:1], c, W).status == "wait"
+    # Verification needs at least MIN_VERIFY_WINDOWS (3) windows, whatever verify_windows says.
+    good = triaged(helpers, load, proposal.physical_to_logical_map, 3, epoch=1, start=2000.0)
+    assert policy.verify(proposal.baseline, good[:2], c, W).status == "wait"
     kept = policy.verify(proposal.baseline, good, c, W)
     assert kept.status == "keep", kept.reason
     # A bad plan: the hot expert and the next busiest all on GPU 0 (slots 0-2).
     bad_map = old.copy()
     bad_map[0, :3] = [0, 0, 0]
     bad_map[0, 3:] = [1, 2, 3, 4, 5, 6, 7, 1, 2]
-    bad = triaged(helpers, load, bad_map, 2, epoch=1, start=2000.0)
+    bad = triaged(helpers, load, bad_map, 3, epoch=1, start=2000.0)
     outcome = policy.verify(proposal.baseline, bad, c, W)
     assert outcome.status == "rollback"
     assert 0 in outcome.worse_layers
@@ -158,7 +159,7 @@ def test_verify_is_robust_to_load_drift(helpers):
     old = helpers.contiguous(L, E, P)
     c = cfg(verify_windows=2)
     proposal = policy.decide(view(triaged(helpers, helpers.hot_load(L, E, hot=0), old, 3)), c, 0.0)
-    drifted = triaged(helpers, helpers.hot_load(L, E, hot=5), proposal.physical_to_logical_map, 2, epoch=1,
+    drifted = triaged(helpers, helpers.hot_load(L, E, hot=5), proposal.physical_to_logical_map, 3, epoch=1,
                       start=2000.0)
     assert np.mean([d.metrics["balancedness"] for d in drifted[-1].diagnosis.layers]) < 0.9
     assert policy.verify(proposal.baseline, drifted, c, W).status == "keep"
@@ -180,9 +181,9 @@ def test_verify_rolls_back_a_layer_that_got_slower(helpers):
     load = helpers.hot_load(L, E)
     c = cfg(verify_windows=2, rollback_time_rise=0.25)
     proposal = policy.decide(view(triaged(helpers, load, helpers.contiguous(L, E, P), 3)), c, 0.0)
-    same = triaged(helpers, load, proposal.physical_to_logical_map, 2, epoch=1, start=2000.0)
+    same = triaged(helpers, load, proposal.physical_to_logical_map, 3, epoch=1, start=2000.0)
     assert policy.verify(proposal.baseline, same, c, W).status == "keep"
-    slow = triaged(helpers, load, proposal.physical_to_logical_map, 2, epoch=1, start=2000.0,
+    slow = triaged(helpers, load, proposal.physical_to_logical_map, 3, epoch=1, start=2000.0,
                    transfer_seconds=2e-3)
     outcome = policy.verify(proposal.baseline, slow, c, W)
     assert outcome.status == "rollback" and "expected with the old placement" in outcome.reason
@@ -225,3 +226,95 @@ def test_rank_totals_alone_give_no_plan_and_say_why(helpers):
         assert not proposal.has_plan and {d.layers for d in proposal.decisions} == {(0,), (1,)}
         assert all(d.result == "skipped" and "no plan" in d.reason and "expert_tokens" in d.reason
                    and d.before["hot_experts"] is None for d in proposal.decisions)
+
+# --- verification that noise cannot fool ------------------------------------------------------------
+
+def _neutral_change(helpers):
+    """A baseline for layer 0 and a plan that neither helps nor hurts it: two slots of one GPU swapped."""
+    load = helpers.hot_load(L, E)
+    old = helpers.contiguous(L, E, P)
+    before = triaged(helpers, load, old, 3)
+    new = old.copy()
+    new[0, [0, 1]] = new[0, [1, 0]]
+    baseline = {0: policy.make_baseline(before, 0, old[0], 0.0, W)}
+    return load, new, baseline
+
+
+def _windows(helpers, load, pmap, speeds, start=2000.0, **kw):
+    """Windows of the new epoch whose machine computes at 1/speed of the usual rate (shared cores)."""
+    out = []
+    for i, slow in enumerate(speeds):
+        w = helpers.make_window(load, pmap, W, epoch=1, start_time=start + 10 * i, seconds_per_pair=2e-6 * slow,
+                                transfer_seconds=5e-5 * slow, **kw)
+        out.append(TriagedWindow(w, diagnose(w), 0.0))
+    return out
+
+
+def test_one_noisy_window_does_not_roll_back_a_plan(helpers):
+    """One window in three twice as slow (a burst of other work): the mean would say +33 %, the median
+    says nothing changed."""
+    load, new, baseline = _neutral_change(helpers)
+    c = cfg(verify_windows=3, rollback_time_rise=0.25)
+    outcome = policy.verify(baseline, _windows(helpers, load, new, [1.0, 2.0, 1.0]), c, W)
+    assert outcome.status == "keep", outcome.reason
+
+
+def test_a_machine_wide_slowdown_is_not_blamed_on_the_plan(helpers):
+    """Every window 60 % slower, compute and transfers alike: the control (old map, same traffic) is
+    scaled by how fast the machine now computes a pair."""
+    load, new, baseline = _neutral_change(helpers)
+    c = cfg(verify_windows=3, rollback_time_rise=0.25)
+    outcome = policy.verify(baseline, _windows(helpers, load, new, [1.6, 1.6, 1.6]), c, W)
+    assert outcome.status == "keep", outcome.reason
+    assert outcome.numbers[0]["machine_speed"] == pytest.approx(1.6)
+
+
+def test_a_regression_must_persist_in_every_window_to_roll_back(helpers):
+    """Slow transfers (the plan's fault, compute unchanged) in two windows of three: wait; once three in
+    a row are slow: roll back. Alternating forever: kept after the patience runs out."""
+    load, new, baseline = _neutral_change(helpers)
+    c = cfg(verify_windows=3, rollback_time_rise=0.25)
+
+    def mixed(pattern):
+        out = []
+        for i, slow in enumerate(pattern):
+            w = helpers.make_window(load, new, W, epoch=1, start_time=2000.0 + 10 * i,
+                                    transfer_seconds=2e-3 if slow else 5e-5)
+            out.append(TriagedWindow(w, diagnose(w), 0.0))
+        return out
+
+    assert policy.verify(baseline, mixed([1, 0, 1]), c, W).status == "wait"
+    assert policy.verify(baseline, mixed([1, 0, 1, 1]), c, W).status == "wait"
+    outcome = policy.verify(baseline, mixed([1, 0, 1, 1, 1]), c, W)
+    assert outcome.status == "rollback" and outcome.worse_layers == (0,) and "each slower" in outcome.reason
+    kept = policy.verify(baseline, mixed([1, 0, 1, 0, 1, 0, 1, 0, 1]), c, W)
+    assert kept.status == "keep" and "never in 3 in a row" in kept.reason
+
+
+def test_a_deliberately_bad_plan_is_rolled_back_through_noise(helpers):
+    """The hot expert and the next busiest crowded onto GPU 0, windows at three machine speeds: the
+    balancedness against the old map on the same traffic does not depend on speed, so it rolls back."""
+    load = helpers.hot_load(L, E)
+    old = helpers.contiguous(L, E, P)
+    c = cfg(verify_windows=3)
+    proposal = policy.decide(view(triaged(helpers, load, old, 3)), c, 0.0)
+    bad_map = old.copy()
+    bad_map[0, :3] = [0, 0, 0]
+    bad_map[0, 3:] = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    outcome = policy.verify(proposal.baseline, _windows(helpers, load, bad_map, [0.7, 1.8, 1.0]), c, W)
+    assert outcome.status == "rollback" and 0 in outcome.worse_layers
+    n = outcome.numbers[0]
+    assert n["balancedness_after"] < n["balancedness_old_map_same_load"] - c.rollback_balancedness_drop
+
+
+def test_absent_evidence_never_reads_as_a_regression(helpers):
+    """A source that cannot measure rank loads or timings leaves them out: verification keeps the plan
+    rather than comparing numbers that are not there."""
+    load, new, baseline = _neutral_change(helpers)
+    windows = _windows(helpers, load, new, [1.0, 1.0, 1.0])
+    for t in windows:
+        for key in ("balancedness", "layer_seconds_per_step", "compute_seconds_per_step"):
+            t.diagnosis.layers[0].metrics[key] = None
+    outcome = policy.verify(baseline, windows, cfg(verify_windows=3), W)
+    assert outcome.status == "keep"
+    assert np.isnan(outcome.numbers[0]["balancedness_after"]) and np.isnan(outcome.numbers[0]["layer_seconds_after"])

@@ -55,6 +55,13 @@ def test_runtime_json_reports_latency_throughput_and_accounting(tmp_path):
     assert 0 < out["step_p50_s"] <= out["step_p99_s"] and out["tokens_per_s"] > 0
     assert out["pairs_routed"] == 6 * 2 * 16 * 2 * 2 == out["pairs_computed"] + out["pairs_dropped"]
     assert out["pairs_lost"] == 0 and out["pairs_dropped"] > 0
+    # Where the ranks ran: each on its own core when there are enough, else a warning says why not.
+    binding = out["cpu_binding"]
+    if binding["cores"] >= 2:
+        assert binding["pinned"] and len(binding["rank_cores"]) == 2 and binding["threads_per_rank"] == 1
+        assert not set(binding["rank_cores"][0]) & set(binding["rank_cores"][1])
+    else:
+        assert not binding["pinned"] and "busiest rank" in binding["warning"]
     lines = windows.read_text().splitlines()
     assert len(lines) == 2
     from moewatch.telemetry import Window

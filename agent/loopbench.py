@@ -1,0 +1,189 @@
+"""`moewatch bench loop`: does acting make the step faster? The closed loop, measured end to end.
+
+One run is two sessions back to back on the same traffic (the reference runtime with two hot experts
+carrying most pairs, started on rank 0, each rank on its own core): the agent in act mode, then the
+agent in observe mode as the control. From the act session: step p50/p99 on steady-state windows
+(no migration in progress) before the first plan and after it, their ratio, the windows from the
+first imbalance-bound verdict to the first window with every layer at max/mean rank load <= 1.15,
+the migration stall (total and per plan, never mixed into the step figures), pairs lost, and the
+rollbacks (every plan here is good: the traffic does not move, so a rollback is a false one). From
+the control: the same step figures with no plan, so "before" can be told from the machine's noise.
+`--repeat N` runs it N times and counts the false rollbacks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from .demo import DEMO_RUNTIME, DEMO_RUNTIME_GPU, DemoError, agent_settings, _pct, _Recorder, _steps, run_session, step_figures
+from .store import TriagedWindow
+
+FIXED_MAX_MEAN = 1.15  # a window whose every layer is at or under this max/mean rank load is fixed
+
+
+def windows_to_fix(windows: list[TriagedWindow]) -> int | None:
+    """Windows from the first with an imbalance-bound layer to the first after it whose every layer
+    has max/mean rank load <= FIXED_MAX_MEAN (None: never imbalanced, or never fixed)."""
+    first = next((i for i, t in enumerate(windows)
+                  if any(d.verdict == "imbalance-bound" for d in t.diagnosis.layers)), None)
+    if first is None:
+        return None
+    for i in range(first + 1, len(windows)):
+        if max(d.metrics["rank_load_max_mean"] for d in windows[i].diagnosis.layers) <= FIXED_MAX_MEAN:
+            return i - first
+    return None
+
+
+def _control_figures(windows: list[TriagedWindow], split: int, warmup_steps: int) -> dict[str, Any]:
+    """The observe-mode session's step figures: over all its steps (warm-up left out), and split at
+    the act session's first after-window index, for a like-for-like look."""
+    body = windows[1:]
+    steps = _steps(windows)[warmup_steps:]
+    head, tail = _steps(windows[:split])[warmup_steps:], _steps(windows[split:])
+    return {
+        "windows": len(windows),
+        "step_p50_s": _pct(steps, 50), "step_p99_s": _pct(steps, 99),
+        "step_p50_first_part_s": _pct(head, 50), "step_p50_second_part_s": _pct(tail, 50),
+        "balancedness": float(np.mean([[d.metrics["balancedness"] for d in t.diagnosis.layers] for t in body]))
+        if body else None,
+        "plans": 0,
+    }
+
+
+def run_once(seconds: float, control_seconds: float, ranks: int, runtime_flags: dict[str, Any],
+             folder: Path, progress: bool, label: str = "") -> dict[str, Any]:
+    started = time.monotonic()
+    act_rec = _Recorder(progress, started, err=True, prefix=f"{label}act ")
+    act = run_session(folder / "act", runtime_flags, agent_settings(runtime_flags), seconds, ranks, recorder=act_rec)
+    ctl_rec = _Recorder(progress, started, err=True, prefix=f"{label}control ")
+    control = run_session(folder / "control", runtime_flags, agent_settings(runtime_flags, mode="observe"),
+                          control_seconds, ranks, recorder=ctl_rec)
+    figures = step_figures(act.windows, act.events, int(runtime_flags["warmup-steps"]))
+    start_epoch = act.windows[0].window.epoch if act.windows else 0
+    first_after = next((i for i, t in enumerate(act.windows) if t.window.epoch > start_epoch), len(act.windows))
+    stall = figures["migration_stall_s"]
+    p50_before, p50_after = figures["step_p50_before_s"], figures["step_p50_after_s"]
+    control_figures = _control_figures(control.windows, first_after, int(runtime_flags["warmup-steps"]))
+    rollbacks = sum(1 for e in act.events if e["event"] == "rolled_back")
+    return {
+        "step_p50_before_s": p50_before, "step_p50_after_s": p50_after,
+        "step_p99_before_s": figures["step_p99_before_s"], "step_p99_after_s": figures["step_p99_after_s"],
+        "step_p50_ratio": p50_after / p50_before if p50_before and p50_after else None,
+        "windows_to_fix": windows_to_fix(act.windows),
+        "migration_stall_s": {**stall, "max_per_plan": max(stall["per_plan"], default=0.0)},
+        "pairs_lost": act.runtime["pairs_lost"] + control.runtime["pairs_lost"],
+        "pairs_routed": act.runtime["pairs_routed"] + control.runtime["pairs_routed"],
+        "plans_applied": sum(1 for e in act.events if e["event"] == "plan_applied"),
+        "plans_verified": sum(1 for e in act.events if e["event"] == "verified"),
+        # The traffic never moves, so every plan the agent makes here is a good one: a rollback is false.
+        "rollbacks": rollbacks, "false_rollbacks": rollbacks,
+        "balancedness_before": figures["balancedness_before"], "balancedness_after": figures["balancedness_after"],
+        "windows_before": figures["windows_before"], "windows_after": figures["windows_after"],
+        "control": control_figures,
+        "control_p50_over_before": (control_figures["step_p50_s"] / p50_before
+                                    if p50_before and control_figures["step_p50_s"] else None),
+        "cpu_binding": act.runtime.get("cpu_binding"),
+        "wall_seconds": time.monotonic() - started,
+        "folder": str(folder),
+    }
+
+
+def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """--repeat N: every run, and the counts and medians over them."""
+    def median(key: str) -> float | None:
+        values = [r[key] for r in runs if r[key] is not None]
+        return float(np.median(values)) if values else None
+
+    return {"runs": runs, "repeat": len(runs), "false_rollbacks": sum(r["false_rollbacks"] for r in runs),
+            "runs_with_false_rollback": sum(1 for r in runs if r["false_rollbacks"]),
+            "pairs_lost": sum(r["pairs_lost"] for r in runs),
+            "step_p50_ratio_median": median("step_p50_ratio"), "windows_to_fix_median": median("windows_to_fix"),
+            "runs_fixed": sum(1 for r in runs if r["windows_to_fix"] is not None)}
+
+
+@click.command("loop")
+@click.option("--seconds", type=click.FloatRange(2, 3600), default=30.0, show_default=True,
+              help="How long the act session's runtime serves (startup adds about 5 s).")
+@click.option("--control-seconds", type=click.FloatRange(2, 3600), default=20.0, show_default=True,
+              help="How long the observe-mode control's runtime serves.")
+@click.option("--ranks", type=click.IntRange(2, 64), default=2, show_default=True,
+              help="EP ranks: at most the cores (gloo) so each rank has its own, or one per GPU (nccl).")
+@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True,
+              help="gloo: CPU ranks; nccl: one rank per GPU, on the demo's GPU shape.")
+@click.option("--batch-tokens", "batch_tokens", type=click.IntRange(16, 65536), default=None,
+              help=f"Token slots per rank per step [gloo {DEMO_RUNTIME['batch-tokens']}, "
+                   f"nccl {DEMO_RUNTIME_GPU['batch-tokens']}].")
+@click.option("--hidden", type=click.IntRange(16, 16384), default=None,
+              help=f"[gloo {DEMO_RUNTIME['hidden']}, nccl {DEMO_RUNTIME_GPU['hidden']}]")
+@click.option("--ffn", type=click.IntRange(16, 65536), default=None,
+              help=f"[gloo {DEMO_RUNTIME['ffn']}, nccl {DEMO_RUNTIME_GPU['ffn']}]")
+@click.option("--window-steps", "window_steps", type=click.IntRange(2, 1000), default=None,
+              help=f"Steps per window [gloo {DEMO_RUNTIME['window-steps']}, nccl {DEMO_RUNTIME_GPU['window-steps']}].")
+@click.option("--repeat", type=click.IntRange(1, 1000), default=1, show_default=True,
+              help="Run it this many times and count the false rollbacks.")
+@click.option("--keep", type=click.Path(file_okay=False), default=None,
+              help="Folder for the sockets, audit logs and runtime logs (default: a temporary folder).")
+@click.option("--json", "as_json", is_flag=True, help="Print only the result as JSON.")
+def loop(seconds, control_seconds, ranks, backend, batch_tokens, hidden, ffn, window_steps, repeat, keep,
+         as_json) -> None:
+    """Closed loop: step time before and after the agent acts, against an observe-mode control."""
+    import logging
+    import os
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.ERROR)
+    logging.getLogger("moewatch.agent.jobs").setLevel(logging.ERROR)  # "missed a run" while ranks hold the cores
+    cores = len(os.sched_getaffinity(0))
+    if backend == "gloo" and ranks > cores:
+        click.echo(f"moewatch bench loop: warning: {ranks} ranks on {cores} cores time-share them: the busiest "
+                   "rank no longer sets the step, so the gain will not show", err=True)
+    base = DEMO_RUNTIME_GPU if backend == "nccl" else DEMO_RUNTIME
+    given = {"batch-tokens": batch_tokens, "hidden": hidden, "ffn": ffn, "window-steps": window_steps}
+    flags = {**base, **{k: v for k, v in given.items() if v is not None}, "model-name": "bench-loop"}
+    root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="moewatch-loop-"))
+    runs = []
+    try:
+        for i in range(repeat):
+            label = f"run {i + 1}/{repeat} " if repeat > 1 else ""
+            click.echo(f"moewatch bench loop: {label}act session ({seconds:g} s), then the observe-mode control "
+                       f"({control_seconds:g} s), {ranks} ranks", err=True)
+            runs.append(run_once(seconds, control_seconds, ranks, flags, root / f"run{i}", True, label))
+            r = runs[-1]
+            click.echo(f"moewatch bench loop: {label}p50 ratio {r['step_p50_ratio']}, windows to fix "
+                       f"{r['windows_to_fix']}, rollbacks {r['rollbacks']}, {r['wall_seconds']:.0f} s", err=True)
+    except DemoError as exc:
+        click.echo(f"moewatch bench loop: failed: {exc}", err=True)
+        sys.exit(1)
+    result = runs[0] if repeat == 1 else summarise_runs(runs)
+    if as_json:
+        click.echo(json.dumps(result, allow_nan=False))
+        return
+    for r in runs:
+        _print_run(r)
+    if repeat > 1:
+        click.echo(f"{repeat} runs: {result['false_rollbacks']} false rollbacks "
+                   f"({result['runs_with_false_rollback']} runs), pairs lost {result['pairs_lost']}, "
+                   f"median p50 ratio {result['step_p50_ratio_median']}")
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 1e3:.1f} ms"
+
+
+def _print_run(r: dict[str, Any]) -> None:
+    ratio = "n/a" if r["step_p50_ratio"] is None else f"{r['step_p50_ratio']:.3f}"
+    click.echo(f"step p50 {_ms(r['step_p50_before_s'])} -> {_ms(r['step_p50_after_s'])} (ratio {ratio}); "
+               f"p99 {_ms(r['step_p99_before_s'])} -> {_ms(r['step_p99_after_s'])}")
+    click.echo(f"windows to fix {r['windows_to_fix']}; migration stall {_ms(r['migration_stall_s']['total'])} "
+               f"in {len(r['migration_stall_s']['per_plan'])} plan(s); pairs lost {r['pairs_lost']}; "
+               f"rollbacks {r['rollbacks']}")
+    c = r["control"]
+    click.echo(f"control (observe mode): step p50 {_ms(c['step_p50_s'])}, p99 {_ms(c['step_p99_s'])}")

@@ -1,0 +1,34 @@
+"""The GPU check script's closed loop, rehearsed on CPU ranks (gloo): the same code path as on NCCL,
+one rank per device, minus the devices."""
+
+from __future__ import annotations
+
+import pytest
+
+from moewatch.runtime import gpu_check
+
+CONTRACT = ("step_p50_before_s", "step_p50_after_s", "step_p99_before_s", "step_p99_after_s", "step_p50_ratio",
+            "windows_to_fix", "migration_stall_s", "pairs_lost", "control")
+
+
+def test_one_gpu_is_reported_as_not_run():
+    out = gpu_check.closed_loop(1)
+    assert out["ran"] is False and out["ok"] is None and "two ranks" in out["why"]
+
+
+@pytest.mark.slow
+def test_closed_loop_rehearsal_on_gloo_reports_the_bench_contract():
+    # A small shape: this checks the wiring and the accounting, not the speed-up (no timed assertions).
+    out = gpu_check.closed_loop(2, backend="gloo", shape={"hidden": 64, "ffn": 128, "batch-tokens": 128,
+                                                           "window-steps": 4}, seconds=6, control_seconds=2)
+    assert out["ran"] and "error" not in out, out.get("error")
+    r = out["result"]
+    for key in CONTRACT:
+        assert key in r, key
+    assert r["pairs_lost"] == 0 and r["pairs_routed"] > 0
+    assert r["plans_applied"] >= 1 and r["balancedness_after"] > r["balancedness_before"]
+    assert set(r["migration_stall_s"]) >= {"total", "per_plan"} and len(r["migration_stall_s"]["per_plan"]) >= 1
+    assert r["control"]["plans"] == 0 and r["control"]["windows"] >= 1
+    assert set(out["checks"]) == {"pairs_lost", "acted", "no_false_rollback", "step_p50_ratio", "windows_to_fix",
+                                  "stall_per_plan"}
+    assert out["checks"]["pairs_lost"] and out["checks"]["acted"]
