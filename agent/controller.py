@@ -211,9 +211,10 @@ class Controller:
             if flight.rollback_of is not None:
                 ctl.rollbacks += 1
                 self._count(group, "rollback", "applied")
-                self.metrics.inc("moewatch_rollbacks_total", group.key)
                 self._record(group, "rolled_back", epoch=flight.plan.epoch, rollback_of=flight.rollback_of,
                              layers=list(flight.changed_layers), stall_seconds=ack.stall_seconds, step=ack.step)
+                # After the audit line: whoever sees the counter move can read why.
+                self.metrics.inc("moewatch_rollbacks_total", group.key)
                 return None
             for d in flight.decisions:
                 self._count(group, d.kind, "applied")

@@ -31,6 +31,8 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import contextlib
+
 import click
 import numpy as np
 
@@ -65,6 +67,21 @@ def agent_settings(runtime_flags: dict[str, Any], **changes: Any) -> dict[str, A
     element = 2 if runtime_flags.get("dtype") in ("bfloat16", "float16") else 4
     return {**DEMO_AGENT, "expert_bytes": 3 * int(runtime_flags["hidden"]) * int(runtime_flags["ffn"]) * element,
             **changes}
+
+
+@contextlib.contextmanager
+def scheduler_warnings_muted():
+    """While the runtime's ranks hold every core the agent's jobs miss runs by design: mute those
+    warnings for the session, and give the loggers back as they were (callers may be long-lived)."""
+    names = ("apscheduler", "moewatch.agent.jobs")
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def visible_gpus() -> int:
@@ -332,8 +349,6 @@ def run_demo(seconds: float = 45.0, ranks: int | None = None, folder: str | None
     ranks = ranks or default_ranks(gpus)
     build_config(flags={**agent_settings(flags), "socket": str(work / "agent.sock"), "listen": listen}, environ={})  # bad --listen
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.ERROR)
-    logging.getLogger("moewatch.agent.jobs").setLevel(logging.ERROR)  # "missed a run" while ranks hold the cores
     started = time.monotonic()
     recorder = _Recorder(live, started)
 
@@ -347,7 +362,8 @@ def run_demo(seconds: float = 45.0, ranks: int | None = None, folder: str | None
         click.echo(f"  folder {work}\n  metrics {metrics_url}\n  audit log {work / 'audit.jsonl'}")
         click.echo("  starting the runtime's ranks (torch import and process group setup take a few seconds)...")
 
-    session = run_session(work, flags, agent_settings(flags), seconds, ranks, listen, recorder, announce)
+    with scheduler_warnings_muted():
+        session = run_session(work, flags, agent_settings(flags), seconds, ranks, listen, recorder, announce)
     summary = _summarise(session)
     (work / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if live:

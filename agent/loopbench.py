@@ -23,7 +23,8 @@ from typing import Any
 import click
 import numpy as np
 
-from .demo import DEMO_RUNTIME, DEMO_RUNTIME_GPU, DemoError, agent_settings, _pct, _Recorder, _steps, run_session, step_figures
+from .demo import (DEMO_RUNTIME, DEMO_RUNTIME_GPU, DemoError, agent_settings, _pct, _Recorder, _steps, run_session,
+                   scheduler_warnings_muted, step_figures)
 from .store import TriagedWindow
 
 FIXED_MAX_MEAN = 1.15  # a window whose every layer is at or under this max/mean rank load is fixed
@@ -139,8 +140,6 @@ def loop(seconds, control_seconds, ranks, backend, batch_tokens, hidden, ffn, wi
     import os
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.ERROR)
-    logging.getLogger("moewatch.agent.jobs").setLevel(logging.ERROR)  # "missed a run" while ranks hold the cores
     cores = len(os.sched_getaffinity(0))
     if backend == "gloo" and ranks > cores:
         click.echo(f"moewatch bench loop: warning: {ranks} ranks on {cores} cores time-share them: the busiest "
@@ -151,14 +150,15 @@ def loop(seconds, control_seconds, ranks, backend, batch_tokens, hidden, ffn, wi
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="moewatch-loop-"))
     runs = []
     try:
-        for i in range(repeat):
-            label = f"run {i + 1}/{repeat} " if repeat > 1 else ""
-            click.echo(f"moewatch bench loop: {label}act session ({seconds:g} s), then the observe-mode control "
-                       f"({control_seconds:g} s), {ranks} ranks", err=True)
-            runs.append(run_once(seconds, control_seconds, ranks, flags, root / f"run{i}", True, label))
-            r = runs[-1]
-            click.echo(f"moewatch bench loop: {label}p50 ratio {r['step_p50_ratio']}, windows to fix "
-                       f"{r['windows_to_fix']}, rollbacks {r['rollbacks']}, {r['wall_seconds']:.0f} s", err=True)
+        with scheduler_warnings_muted():
+            for i in range(repeat):
+                label = f"run {i + 1}/{repeat} " if repeat > 1 else ""
+                click.echo(f"moewatch bench loop: {label}act session ({seconds:g} s), then the observe-mode control "
+                           f"({control_seconds:g} s), {ranks} ranks", err=True)
+                runs.append(run_once(seconds, control_seconds, ranks, flags, root / f"run{i}", True, label))
+                r = runs[-1]
+                click.echo(f"moewatch bench loop: {label}p50 ratio {r['step_p50_ratio']}, windows to fix "
+                           f"{r['windows_to_fix']}, rollbacks {r['rollbacks']}, {r['wall_seconds']:.0f} s", err=True)
     except DemoError as exc:
         click.echo(f"moewatch bench loop: failed: {exc}", err=True)
         sys.exit(1)
