@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Iterable
 
 import numpy as np
-from scipy.optimize import nnls
 
 from .metrics import holders
 
@@ -266,6 +265,10 @@ def fit(windows: Iterable[Any], base: CostModel | None = None, rounds: int = 4) 
 def _nnls_fit(x: np.ndarray, y: np.ndarray, base: list[float]) -> tuple[list[float], list[bool], float]:
     """Fit y ~ x @ coef, coef >= 0, using only the columns that vary (a constant column is the
     intercept when it is the only constant one); the others stay at `base` (their part subtracted)."""
+    # Imported on first use: scipy.optimize is most of the agent's start-up CPU (about 0.6 s), which
+    # a restarted sidecar would otherwise take from the inference ranks before it has anything to fit.
+    from scipy.optimize import nnls
+
     varies = x.std(axis=0) > 1e-12 * (np.abs(x).max(axis=0) + 1e-300)
     constant = ~varies & (np.abs(x).max(axis=0) > 0)
     # one constant column can be fitted as the intercept; several constants are not separable

@@ -18,7 +18,6 @@ Sizes: L layers, E experts, P slots, W GPUs, N nodes, S = P // W slots per GPU.
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from .metrics import balancedness, gpu_load, holders, replica_counts_of
 from .packing import refine_by_swaps, replica_weights
@@ -58,6 +57,8 @@ def align_to_current(new: np.ndarray, current: np.ndarray, num_gpus: int, num_no
 
 def _match_gpus(overlap: np.ndarray, num_nodes: int, gpus_per_node: int) -> np.ndarray:
     """[W, W] overlap -> [W] target GPU of each new GPU, nodes matched first, then GPUs inside."""
+    from scipy.optimize import linear_sum_assignment  # imported on first use: see cost._nnls_fit
+
     W = overlap.shape[0]
     G = gpus_per_node
     if num_nodes == 1:
