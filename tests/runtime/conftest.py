@@ -83,6 +83,30 @@ def naive():
     return types.SimpleNamespace(capacity=naive_capacity, slot=naive_slot, dispatch_counts=naive_dispatch_counts)
 
 
+def _sender_hello():
+    from moewatch import wire
+
+    return wire.Hello(runtime="moewatch-runtime", model="m", ep_group="g", world_size=1, num_layers=1,
+                      num_experts=2, num_slots=2, capabilities=("plan", "capacity"))
+
+
+def _wait(predicate, seconds=10.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture(scope="session")
+def sender_kit():
+    """What the sender tests share: a one-layer runtime's hello, and a polling wait."""
+    return types.SimpleNamespace(hello=_sender_hello, wait=_wait)
+
+
 class FakeAgent:
     """A unix-socket (or, with tcp, a loopback TCP) server speaking moewatch.wire, standing in for the
     agent; `path` is then what the runtime's --socket takes (`tcp://127.0.0.1:PORT` for TCP).

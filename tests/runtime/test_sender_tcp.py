@@ -13,20 +13,6 @@ from moewatch.runtime.config import ConfigError, RuntimeConfig, validate
 from moewatch.runtime.sender import Sender, agent_address
 
 
-def _hello() -> wire.Hello:
-    return wire.Hello(runtime="moewatch-runtime", model="m", ep_group="g", world_size=1, num_layers=1,
-                      num_experts=2, num_slots=2, capabilities=("plan", "capacity"))
-
-
-def _wait(predicate, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 @pytest.mark.parametrize("text, expected", [
     ("/run/moewatch/moewatch.sock", ("unix", "/run/moewatch/moewatch.sock")),
     ("tcp://10.0.0.7:7071", ("tcp", ("10.0.0.7", 7071))),
@@ -47,23 +33,23 @@ def test_bad_addresses_are_refused_naming_the_field(text):
     assert caught.value.field == "socket"
 
 
-def test_frames_go_out_and_plans_come_back_over_tcp(fake_agent):
+def test_frames_go_out_and_plans_come_back_over_tcp(fake_agent, sender_kit):
     agent = fake_agent(tcp=True)
     assert agent.path.startswith("tcp://127.0.0.1:")
     plans = []
-    sender = Sender(agent.path, _hello, on_plan=plans.append, heartbeat_seconds=0.05,
+    sender = Sender(agent.path, sender_kit.hello, on_plan=plans.append, heartbeat_seconds=0.05,
                     heartbeat=lambda: wire.Heartbeat(time=time.time(), epoch=0, step=1)).start()
     try:
-        assert _wait(lambda: agent.messages)
+        assert sender_kit.wait(lambda: agent.messages)
         assert isinstance(agent.messages[0][1], wire.Hello), "hello first"
         sender.send_control(wire.Ack(plan_epoch=1, epoch_in_force=1, ok=True))
-        assert _wait(lambda: agent.of_type(wire.Ack) and agent.of_type(wire.Heartbeat))
+        assert sender_kit.wait(lambda: agent.of_type(wire.Ack) and agent.of_type(wire.Heartbeat))
         agent.send(Plan(3, [[1, 0]], [0.0]))
-        assert _wait(lambda: plans)
+        assert sender_kit.wait(lambda: plans)
         assert plans[0].epoch == 3
         # The agent goes away and comes back: a new connection, a new hello.
         agent.drop_connection()
-        assert _wait(lambda: agent.connections == 2 and len(agent.of_type(wire.Hello)) == 2)
+        assert sender_kit.wait(lambda: agent.connections == 2 and len(agent.of_type(wire.Hello)) == 2)
     finally:
         stats = sender.close()
     assert stats.connects == 2 and stats.frames_rejected == 0
