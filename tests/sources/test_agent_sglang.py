@@ -101,7 +101,7 @@ def test_agent_makes_windows_from_the_metrics_heatmap(sglang_heatmap, agent_dir)
     record(np.array([[5, 5], [5, 5]]))  # before the agent's first scrape: the baseline
     daemon = Daemon(build_config(flags=flags, environ={})).start()
     try:
-        assert wait_for(lambda: daemon.sglang.scraper.scrapes >= 1)
+        assert wait_for(lambda: daemon.sources["sglang"].scraper.scrapes >= 1)
         skewed = np.array([[90, 10], [50, 50]])
         record(skewed)
         assert wait_for(lambda: daemon.store.get(("dsv3", "pod-a")) is not None
