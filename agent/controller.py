@@ -1,4 +1,4 @@
-"""The reconcile loop per EP group: observe (triaged windows), decide (policy.py), act (actuators.py),
+"""The reconcile loop per EP group: observe (triaged windows), decide (policy.py), act (integrations/),
 confirm (the Ack's epoch), verify (windows of the new epoch only) and roll back when a layer got worse.
 
 State per group, readable on /status: the plan in flight (sent, no Ack yet), the plan under
