@@ -141,3 +141,11 @@ def test_register_refuses_a_taken_name_or_runtime_and_unregister_removes():
     registry.unregister("other")
     assert registry.covering("other-engine") is None
     assert [i.name for i in registry.integrations()] == ["reference", "sglang", "vllm"]
+
+
+def test_two_engines_asking_to_steer_is_refused_at_start(toy_engine, start_agent, short_tmp):
+    from moewatch.agent.daemon import StartupError
+
+    with pytest.raises(StartupError, match="^actuator: only one engine's actuator can steer the agent's plans, "
+                                           "asked: sglang, toy$"):
+        start_agent(mode="act", actuator="sglang", sglang_location_file=str(short_tmp / "loc.json"))
