@@ -1,4 +1,4 @@
-"""The reconcile loop per EP group: observe (triaged windows), decide (policy.py), act (actuators.py),
+"""The reconcile loop per EP group: observe (triaged windows), decide (policy.py), act (integrations/),
 confirm (the Ack's epoch), verify (windows of the new epoch only) and roll back when a layer got worse.
 
 State per group, readable on /status: the plan in flight (sent, no Ack yet), the plan under
@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from moewatch.integrations import registry
+from moewatch.integrations.base import Actuator
 from moewatch.plan import Plan, PlanError
 from moewatch.wire import Ack
 
 from . import policy
-from .actuators import Actuator
 from .audit import AuditLog
 from .exporters import MetricsState
 from .store import GroupStore, Store, TriagedWindow
@@ -106,9 +107,12 @@ class Controller:
             if ctl.in_flight is not None or ctl.verifying is not None:
                 return None  # one change at a time: wait for its Ack and its verification
             hello = group.hello
+            # What the group declares it takes, as far as the actuator that would apply it can.
+            applying = registry.properties_for(hello.runtime, self.actuator)
             view = policy.GroupView(
                 num_gpus=hello.world_size, num_nodes=_num_nodes(hello), num_experts=hello.num_experts,
-                num_slots=hello.num_slots, capabilities=frozenset(hello.capabilities),
+                num_slots=hello.num_slots, capabilities=frozenset(hello.capabilities) & applying.applies,
+                actuator=applying,
                 windows=group.recent(epoch=group.epoch_in_force), last_change=dict(ctl.last_change),
                 plan_times=tuple(ctl.plan_times), observed_stall_per_slot=ctl.stall_per_slot,
                 fit_windows=group.recent())

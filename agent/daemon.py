@@ -8,6 +8,7 @@ log (fsync). Every per-message path is here; per-window work runs in the triage 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
@@ -17,12 +18,13 @@ import time
 from typing import Any, Callable, Iterable
 
 from moewatch import __version__
+from moewatch.integrations import registry
+from moewatch.integrations.base import Source
 from moewatch.plan import Plan
 from moewatch.telemetry import Window
 from moewatch.triage import diagnose
 from moewatch.wire import Ack, Heartbeat, Hello
 
-from .actuators import make_actuator
 from .audit import AuditLog, jsonable
 from .config import AgentConfig
 from .controller import Controller
@@ -105,7 +107,7 @@ class Daemon:
         self._acks: queue.Queue = queue.Queue(maxsize=1024)
         self._ack_thread: threading.Thread | None = None
         self.started_at: float | None = None
-        self.sglang = None  # SGLangSource when a dump folder or /metrics URL is configured
+        self.sources: dict[str, Source] = {}  # integration name -> its polled Source, where its settings configure one
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -119,7 +121,10 @@ class Daemon:
             from .otel import OtelBridge
 
             self.otel = OtelBridge(self.metrics, cfg.otlp_endpoint, cfg.otlp_interval_seconds, self._otel_readers)
-        actuator = make_actuator(cfg, self.connection_of)
+        try:
+            actuator = registry.build_actuator(cfg, self.connection_of)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
         self.controller = Controller(cfg, self.store, self.metrics, self.audit, actuator)
         for reason in ("max_connections", "out_of_descriptors", "http_max_connections"):
             self.metrics.inc("moewatch_connections_refused_total", (reason,), 0)
@@ -164,11 +169,10 @@ class Daemon:
         self.jobs.add("triage", self.triage_job, cfg.triage_interval_seconds)
         self.jobs.add("plan", self.plan_job, cfg.plan_interval_seconds)
         self.jobs.add("export", self.export_job, cfg.export_interval_seconds)
-        if cfg.sglang_dump_dir or cfg.sglang_metrics_url:
-            from .sglang_source import SGLangSource
-
-            self.sglang = SGLangSource(cfg, self.ingest_window)
-            self.jobs.add("sglang_source", self.sglang.poll, cfg.sglang_poll_seconds, first_run_in=0)
+        self.sources = registry.build_sources(cfg)
+        for source in self.sources.values():
+            ingest = functools.partial(self.ingest_window, capabilities=source.capabilities)
+            self.jobs.add(source.job_name, functools.partial(source.poll, ingest), source.poll_seconds, first_run_in=0)
         if self.notifier.watchdog_seconds:
             self.jobs.add("watchdog", self.watchdog_job, self.notifier.watchdog_seconds / 2, first_run_in=0)
         init_jobs(self.metrics, [job.id for job in self.jobs.scheduler.get_jobs()])
@@ -319,9 +323,10 @@ class Daemon:
                  hello.num_slots, hello.epoch)
         return None
 
-    def ingest_window(self, window: Window) -> str | None:
+    def ingest_window(self, window: Window, capabilities: Iterable[str] = ()) -> str | None:
         """A window from a polled source (no connection): its group is created, or re-sized, from the
-        window itself, then it passes the same gate as a runtime's. Returns the rejection reason."""
+        window itself, with the capabilities the source declares, then it passes the same gate as a
+        runtime's. Returns the rejection reason."""
         key = (window.model, window.ep_group)
         group = self.store.get_or_create(key)
         if group is None:
@@ -333,7 +338,7 @@ class Daemon:
                 init_group(self.metrics, key)
                 hello = Hello(runtime=window.runtime, model=key[0], ep_group=key[1], world_size=sizes[0],
                               num_layers=sizes[1], num_experts=sizes[2], num_slots=sizes[3], epoch=window.epoch,
-                              ranks_per_node=window.ranks_per_node)
+                              ranks_per_node=window.ranks_per_node, capabilities=tuple(capabilities))
                 new_lineage = group.on_hello(hello, connection_id=0)
                 if new_lineage:
                     self.controller.abandon(group, "the source restarted with other sizes")
@@ -463,7 +468,8 @@ class Daemon:
                           "started_at": self.started_at, "audit_log": self.cfg.audit_log,
                           "frames_rejected": dict(self._series("moewatch_frames_rejected_total")),
                           "frames_received": dict(self._series("moewatch_frames_received_total"))},
-                "groups": groups, "sglang": None if self.sglang is None else self.sglang.status()}
+                "groups": groups, **{name: self.sources[name].status() if name in self.sources else None
+                                     for name in registry.polled_integrations()}}
 
     def _series(self, name: str) -> list[tuple[str, float]]:
         return [(labels[0], value) for labels, value in self.metrics.series(name)]

@@ -30,15 +30,13 @@ import numpy as np
 
 from moewatch import telemetry as tm
 from moewatch import topology
+from moewatch.integrations.base import ActuatorProperties
 from moewatch.planner import cost
 from moewatch.planner import metrics as pm
 
 from .store import TriagedWindow
 
 PLACEMENT_KINDS = ("replicate", "placement")
-# Engines that take no placement from outside: for their windows the agent works out what it would
-# change and says so, but never proposes a plan to send (docs/integrations.md).
-OBSERVE_ONLY_RUNTIMES = {"vllm": "vLLM takes no placement from outside: moewatch observes and recommends only"}
 KINDS = ("replicate", "placement", "capacity", "batch", "rollback")
 
 
@@ -101,6 +99,8 @@ class GroupView:
     observed_stall_per_slot: float | None = None
     # Windows the cost model is fitted to (every epoch: its parameters are the hardware's); default: `windows`.
     fit_windows: Sequence[TriagedWindow] = ()
+    # What the actuator that would apply this group's plans declares (an engine that takes none says why).
+    actuator: ActuatorProperties = ActuatorProperties()
 
 
 # --- evidence ----------------------------------------------------------------------------------------
@@ -237,9 +237,8 @@ def fitted_cost_model(windows: Sequence[TriagedWindow], migration_bandwidth: flo
 
 def decide(view: GroupView, cfg, now: float) -> Proposal:
     """The guardrails above, for one group; `cfg` is an AgentConfig (mode, K, cooldown, bounds...)."""
-    note = OBSERVE_ONLY_RUNTIMES.get(view.windows[-1].window.runtime) if view.windows else None
-    if note is not None and cfg.mode != "observe":
-        return _recommend_only(view, cfg, now, note)
+    if not view.actuator.accepts_plans and cfg.mode != "observe":
+        return _recommend_only(view, cfg, now, view.actuator.observe_only_reason)
     return _decide(view, cfg, now)
 
 
@@ -411,9 +410,8 @@ def placement_proposals(view: GroupView, cfg, evidence: Sequence[TriagedWindow],
                                                cfg.inter_node_bandwidth_bytes_per_second)
         if view.observed_stall_per_slot is not None:
             stall = max(stall, view.observed_stall_per_slot * int(moved[layer]))
-        if getattr(cfg, "actuator", "runtime") == "sglang":
-            # SGLang takes a placement only by a restart or its own rebalance: the whole cost, for any move.
-            stall = max(stall, cfg.sglang_apply_seconds)
+        # An actuator that applies by a restart or the engine's own rebalance costs its whole apply, for any move.
+        stall = max(stall, view.actuator.apply_seconds)
         hot = latest.diagnosis.layers[layer].metrics["hot_experts"]
         verdict = _label(*verdicts[layer])
         before = {"verdict": verdict, "balancedness": _measured(evidence, layer, "balancedness"),

@@ -46,8 +46,8 @@ def load_window(source: str) -> Window:
 
 def _load_sglang_dump(path: Path) -> Window:
     """SGLang's expert-distribution dump: a stat .pt, or a folder of dumps (its newest set)."""
-    from .sources import SourceError
-    from .sources.sglang_dump import load_source
+    from .integrations.base import SourceError
+    from .integrations.sglang.dump import load_source
 
     try:
         return load_source(path)

@@ -3,8 +3,9 @@
 Loads (pairs per logical expert):
 - `.npy`: [L, E], or [S, L, E] per step;
 - `.json`: a bare [L][E] (or [S][L][E]) list, or an object whose `logical_count` holds one;
-- `.pt`: SGLang's expert-distribution stat dump, an object with `logical_count` [S, L, E], read
-  with torch.load(weights_only=True) where torch is installed (the core never needs torch else).
+- `.pt`: SGLang's expert-distribution stat dump, an object with `logical_count` [S, L, E], read by
+  moewatch.integrations.sglang.dump (torch.load(weights_only=True) where torch is installed; the
+  core never needs torch else).
 Routing traces for affinity:
 - `.npy` / `.npz` / `.json`: a trace [T, L, k] of expert ids (key `trace`), or transition counts
   [L-1, E, E] (key `transitions`); a bare `.npy` is told apart by its shape.
@@ -92,21 +93,18 @@ def _reject_constant(name: str) -> float:
 
 
 def _read_sglang_pt(path: Path) -> np.ndarray:
+    """[B, L, E] logical counts of SGLang's stat dump, through the SGLang room's one reader of its dumps."""
+    from ..integrations.base import SourceError
+    from ..integrations.sglang.dump import read_dump  # here: the SGLang room sits above the planner
+
     try:
-        import torch  # only here: SGLang writes its dump with torch.save
-    except ImportError:
-        raise FileFormatError(path, "reading SGLang's .pt dump needs torch (pip install 'moewatch[runtime]'), "
-                                    "or convert it to .npy") from None
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a bad or unsafe file
-        raise FileFormatError(path, f"not a loadable torch file ({type(exc).__name__}: {exc})") from None
-    if not isinstance(data, dict) or "logical_count" not in data:
-        raise FileFormatError(path, "expected SGLang's stat dump: an object with `logical_count`")
-    value = data["logical_count"]
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return value
+        dump = read_dump(path)
+    except SourceError as exc:
+        raise FileFormatError(path, str(exc)[len(exc.field) + 2:]) from None  # the message without its path
+    if dump.kind != "stat":
+        raise FileFormatError(path, "a per_pass dump holds one rank's counts: the planner reads SGLang's stat dump "
+                                    "(an object with `logical_count`)")
+    return dump.logical_count
 
 
 def _count_array(path: Path, field_name: str, raw: Any) -> np.ndarray:

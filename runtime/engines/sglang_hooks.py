@@ -42,7 +42,7 @@ import torch
 from moewatch import wire
 from moewatch.telemetry import Window, WindowError
 
-from .common import Sink, env_sinks
+from .common import Sink, env_sinks, logical_window
 
 log = logging.getLogger("moewatch.runtime.engines.sglang")
 
@@ -189,16 +189,12 @@ class TopKCounter:
         pmap = self.current_map()
         expert = np.zeros((cfg.num_layers, cfg.num_experts), dtype=np.int64)
         np.add.at(expert, (np.arange(cfg.num_layers)[:, None], pmap), slots)
-        L, E = cfg.num_layers, cfg.num_experts
         try:
-            window = Window(runtime=RUNTIME, model=cfg.model, ep_group=self.ep_group, world_size=cfg.ep_size,
-                            ranks_per_node=cfg.ep_size, num_layers=L, num_experts=E, num_slots=P,
-                            top_k=min(cfg.top_k, E), epoch=0, steps=steps, start_time=start, end_time=max(now, start),
-                            hidden_bytes=cfg.hidden_bytes, physical_to_logical_map=pmap, expert_tokens=expert,
-                            slot_tokens=slots, dropped_tokens=np.zeros((L, E), np.int64),
-                            rerouted_tokens=np.zeros((L, E), np.int64), capacity_factor=np.zeros(L),
-                            extra={"source": {"kind": "sglang-forward-hook",
-                                              "ids_outside_slots": int(delta[:, P].sum())}})
+            window = logical_window(
+                runtime=RUNTIME, model=cfg.model, ep_group=self.ep_group, top_k=min(cfg.top_k, cfg.num_experts),
+                hidden_bytes=cfg.hidden_bytes, expert_tokens=expert, steps=steps, start_time=start, end_time=now,
+                world_size=cfg.ep_size, slot_tokens=slots, physical_to_logical_map=pmap,
+                extra={"source": {"kind": "sglang-forward-hook", "ids_outside_slots": int(delta[:, P].sum())}})
         except WindowError as exc:  # never break serving over a window
             self.windows_invalid += 1
             log.warning("moewatch: window not built: %s", exc)

@@ -161,6 +161,14 @@ def wait_group(daemon, key=("m", "g"), timeout: float = 10.0):
     return daemon.store.get(key)
 
 
+def sglang_settings(**fields):
+    """The SGLang settings section from the agent's config, with `fields` (its names, no prefix) set."""
+    from moewatch.agent.config import build_config
+    from moewatch.integrations.sglang import settings_from_flat_config
+
+    return settings_from_flat_config(build_config(flags={f"sglang_{k}": v for k, v in fields.items()}, environ={}))
+
+
 def scrape(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
         return resp.read().decode()
@@ -184,7 +192,7 @@ def helpers():
 
     return types.SimpleNamespace(make_window=make_window, hot_load=hot_load, contiguous=contiguous,
                                  FakeRuntime=FakeRuntime, wait_for=wait_for, wait_group=wait_group, scrape=scrape,
-                                 sample_value=sample_value)
+                                 sample_value=sample_value, sglang_settings=sglang_settings)
 
 
 @pytest.fixture

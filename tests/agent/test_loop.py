@@ -9,7 +9,7 @@ import numpy as np
 
 from moewatch import wire
 from moewatch.agent.audit import read_audit
-from moewatch.agent.actuators import SGLangActuator
+from moewatch.integrations.sglang.actuator import SGLangActuator
 from moewatch.planner import metrics as pm
 from moewatch.plan import Plan
 
@@ -113,14 +113,17 @@ def test_recommend_mode_records_without_sending(start_agent, helpers):
     assert {r["result"] for r in read_audit(daemon.cfg.audit_log) if r["event"] == "decision"} == {"recommended"}
 
 
-def test_sglang_actuator_writes_location_and_runs_command(short_tmp):
+def test_sglang_actuator_writes_location_and_runs_command(short_tmp, helpers):
     location = short_tmp / "sglang" / "expert_location.json"
     marker = short_tmp / "ran"
     pmap = np.tile(np.arange(12) % 8, (2, 1))
     plan = Plan(3, pmap, np.zeros(2), "test")
-    ok = SGLangActuator(str(location), f"sh -c 'echo $MOEWATCH_PLAN_EPOCH > {marker}'").apply(("m", "g"), plan)
+    settings = helpers.sglang_settings(location_file=str(location),
+                                       command=f"sh -c 'echo $MOEWATCH_PLAN_EPOCH > {marker}'")
+    ok = SGLangActuator(settings).apply(("m", "g"), plan)
     assert ok.status == "applied" and ok.ack.ok and ok.ack.epoch_in_force == 3
     assert json.loads(location.read_text()) == {"physical_to_logical_map": pmap.tolist()}
     assert marker.read_text().strip() == "3"
-    failed = SGLangActuator(str(location), "sh -c 'echo nope >&2; exit 4'").apply(("m", "g"), plan)
+    failed = SGLangActuator(helpers.sglang_settings(location_file=str(location),
+                                                    command="sh -c 'echo nope >&2; exit 4'")).apply(("m", "g"), plan)
     assert failed.status == "failed" and not failed.ack.ok and "exited 4: nope" in failed.detail

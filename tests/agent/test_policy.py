@@ -8,6 +8,8 @@ import pytest
 from moewatch.agent import policy
 from moewatch.agent.config import build_config
 from moewatch.agent.store import TriagedWindow
+from moewatch.integrations import registry
+from moewatch.integrations.reference.actuator import RuntimeActuator
 from moewatch.planner import metrics as pm
 from moewatch.triage import diagnose
 
@@ -205,12 +207,13 @@ def test_a_vllm_source_gets_recommendations_never_a_plan(helpers):
     # vLLM takes no placement from outside: even in act mode the agent only says what it would change.
     windows = [TriagedWindow(t.window.replace(runtime="vllm"), t.diagnosis, t.received_at)
                for t in triaged(helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 3)]
-    proposal = policy.decide(view(windows, capabilities=frozenset()), cfg(mode="act"), 0.0)
+    vllm = registry.properties_for("vllm", RuntimeActuator(lambda key: None))
+    proposal = policy.decide(view(windows, capabilities=frozenset(), actuator=vllm), cfg(mode="act"), 0.0)
     assert not proposal.has_plan
     assert {d.result for d in proposal.decisions} == {"recommended"}
     assert {d.kind for d in proposal.decisions} == {"replicate"}
     assert all("vLLM takes no placement from outside" in d.reason for d in proposal.decisions)
-    assert policy.decide(view(windows), cfg(mode="observe"), 0.0).decisions == []
+    assert policy.decide(view(windows, actuator=vllm), cfg(mode="observe"), 0.0).decisions == []
 
 
 def test_rank_totals_alone_give_no_plan_and_say_why(helpers):

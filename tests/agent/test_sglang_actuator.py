@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from moewatch.agent.actuators import SGLangActuator
+from moewatch.integrations.sglang.actuator import SGLangActuator
 from moewatch.agent.audit import read_audit
 from moewatch.plan import Plan
 
@@ -71,10 +71,11 @@ def test_plan_becomes_a_file_sglang_loads_and_the_command_runs_once(start_agent,
     assert decision["after"]["predicted_stall_seconds"] >= 0.5
 
 
-def test_applying_the_same_plan_again_does_not_rerun_the_command(short_tmp):
+def test_applying_the_same_plan_again_does_not_rerun_the_command(short_tmp, helpers):
     location = short_tmp / "loc.json"
     marker = short_tmp / "ran"
-    actuator = SGLangActuator(str(location), f"sh -c 'echo x >> {marker}'")
+    settings = helpers.sglang_settings(location_file=str(location), command=f"sh -c 'echo x >> {marker}'")
+    actuator = SGLangActuator(settings)
     plan = Plan(4, np.tile(np.arange(P) % E, (L, 1)), np.zeros(L), "hot expert 0")
     first, again = actuator.apply(("m", "g"), plan), actuator.apply(("m", "g"), plan)
     assert first.status == again.status == "applied" and "already applied" in again.detail

@@ -36,6 +36,20 @@ def test_sglang_dump_without_torch_is_a_clear_error(tmp_path, monkeypatch):
         files.read_load(tmp_path / "d.pt")
 
 
+def test_sglang_pt_errors_are_the_dump_reader_s_naming_the_file(tmp_path):
+    # One reader of SGLang's dumps (moewatch.integrations.sglang.dump): its checks, the planner's error type.
+    (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 truncated")
+    torch.save({"logical_count": torch.ones(2, 3, 4)}, tmp_path / "floats.pt")
+    torch.save({"records": [], "last_physical_to_logical_map": torch.zeros(2, 4, dtype=torch.int64)},
+               tmp_path / "rank.pt")
+    for name, words in (("cut.pt", "not a loadable torch file"), ("floats.pt", "logical_count: expected integers"),
+                        ("rank.pt", "a per_pass dump holds one rank's counts")):
+        with pytest.raises(files.FileFormatError) as info:
+            files.read_load(tmp_path / name)
+        assert str(info.value).startswith(f"{tmp_path / name}: ") and words in str(info.value)
+        assert str(info.value).count(str(tmp_path)) == 1
+
+
 @pytest.mark.parametrize("content, message", [
     ("[[1, 2], [3]]", "ragged"),
     ('{"counts": [[1]]}', "logical_count"),

@@ -103,6 +103,10 @@ def test_hook_counts_pairs_per_slot_and_expert_like_a_recount(tmp_path, monkeypa
     assert outside == 2 * K + 1 and window.extra["source"]["ids_outside_slots"] == outside
     assert np.array_equal(rank_load(window), slots.reshape(L, W, P // W).sum(axis=2))
     assert window.layer_seconds is None and window.step_tokens is None
+    # What the shared window builder states for a dropless engine without a capacity factor.
+    assert not window.dropped_tokens.any() and not window.rerouted_tokens.any()
+    assert window.capacity_factor.tolist() == [0.0] * L and window.ranks_per_node == W and window.top_k == K
+    assert window.epoch == 0 and np.array_equal(window.physical_to_logical_map, PMAP)
     files = sorted(tmp_path.glob("window-*.json"))
     assert len(files) == 1
     assert np.array_equal(Window.from_json(files[0].read_text()).slot_tokens, slots)

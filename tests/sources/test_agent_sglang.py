@@ -101,7 +101,7 @@ def test_agent_makes_windows_from_the_metrics_heatmap(sglang_heatmap, agent_dir)
     record(np.array([[5, 5], [5, 5]]))  # before the agent's first scrape: the baseline
     daemon = Daemon(build_config(flags=flags, environ={})).start()
     try:
-        assert wait_for(lambda: daemon.sglang.scraper.scrapes >= 1)
+        assert wait_for(lambda: daemon.sources["sglang"].scraper.scrapes >= 1)
         skewed = np.array([[90, 10], [50, 50]])
         record(skewed)
         assert wait_for(lambda: daemon.store.get(("dsv3", "pod-a")) is not None
@@ -163,4 +163,43 @@ def test_hook_windows_reach_the_agent_over_its_socket(agent_dir, monkeypatch):
         assert got.slot_tokens[0].tolist() == [2, 0, 1, 1, 1, 1]
     finally:
         counter.close()
+        daemon.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("actuate", [False, True])
+def test_dump_groups_take_placements_only_when_the_sglang_actuator_writes_them(sglang_recorder, agent_dir,
+                                                                                monkeypatch, actuate):
+    from moewatch.agent.audit import read_audit
+
+    dumps = agent_dir / "dumps"
+    dumps.mkdir()
+    flags = {"socket": str(agent_dir / "a.sock"), "listen": "127.0.0.1:0", "audit_log": str(agent_dir / "audit.jsonl"),
+             "triage_interval_seconds": 0.05, "plan_interval_seconds": 3600, "export_interval_seconds": 0.2,
+             "sglang_dump_dir": str(dumps), "sglang_poll_seconds": 0.1, "sglang_model": "dsv3",
+             "sglang_ep_group": "pod-a", "mode": "act", "persist_windows": 1}
+    if actuate:
+        flags |= {"actuator": "sglang", "sglang_location_file": str(agent_dir / "expert_location.json")}
+    daemon = Daemon(build_config(flags=flags, environ={})).start()
+    try:
+        meta = sglang_recorder.metadata(PMAP, ep_size=2)
+        hot = np.full(PMAP.shape, 10)
+        hot[:, 0] = 400
+        sglang_recorder.dump(dumps, monkeypatch, "stat", meta, 0, [(0, hot), (1, hot)], buffer_size=8)
+        key = ("dsv3", "pod-a")
+        assert wait_for(lambda: daemon.store.get(key) is not None and len(daemon.store.get(key).history) == 1)
+        group = daemon.store.get(key)
+        assert group.hello.capabilities == (("plan",) if actuate else ())
+        daemon.controller.plan_tick()
+        decisions = [r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "decision"]
+        assert decisions
+        if actuate:
+            # A placement is a lever now, so the planner is asked; a stat dump reads as one rank (it has no
+            # rank-level counts), where no placement is better.
+            assert all(r["result"] == "skipped" and "the planner finds no placement better" in r["reason"]
+                       for r in decisions)
+        else:
+            assert all(r["result"] == "skipped" and "does not apply placement plans" in r["reason"] for r in decisions)
+        assert not (agent_dir / "expert_location.json").exists()
+    finally:
         daemon.stop()

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from moewatch.cli import main
-from moewatch.sources import SourceError
-from moewatch.sources.sglang_dump import DumpWatcher, load_source, read_dump
+from moewatch.integrations.base import SourceError
+from moewatch.integrations.sglang.dump import DumpWatcher, load_source, read_dump
 from moewatch.telemetry import rank_load
 
 # 2 layers, 4 logical experts in 6 slots on 2 ranks (3 slots each); expert 0 has a replica.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moewatch.sources import SourceError
-from moewatch.sources.sglang_metrics import (
+from moewatch.integrations.base import SourceError
+from moewatch.integrations.sglang.heatmap import (
     HeatmapScraper,
     RankLoad,
     default_placement,

@@ -1,11 +1,8 @@
-"""Actions only: how a decided Plan reaches a runtime. The policy never touches these.
-
-One interface, `Actuator.apply(group, plan) -> Actuation`:
-- `RuntimeActuator` sends the Plan frame over the group's socket connection; the runtime applies it
-  at a step boundary and answers with an Ack later (status "sent").
-- `SGLangActuator` writes an SGLang `--init-expert-location` JSON (`physical_to_logical_map`
-  [L][P]) atomically and, when the operator configured one, runs a command (a rolling restart); it
-  completes synchronously, so it answers with the Ack itself (status "applied" or "failed").
+"""SGLang's actuator: a Plan becomes an SGLang `--init-expert-location` JSON (`physical_to_logical_map`
+[L][P]) written atomically and, when the operator configured one, a command (a rolling restart). It
+completes synchronously, so it answers with the Ack itself (status "applied" or "failed"). SGLang
+takes a placement only at start or by its own rebalance: not live, no capacity factor, and every
+apply costs `apply_seconds` of serving.
 """
 
 from __future__ import annotations
@@ -18,47 +15,15 @@ import shlex
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any
 
-from moewatch.plan import Plan
-from moewatch.planner.files import plan_to_json
-from moewatch.wire import Ack
+from ...plan import Plan
+from ...planner.files import plan_to_json
+from ...wire import Ack
+from ..base import PLACEMENT, Actuation, ActuatorProperties, GroupKey
 
-log = logging.getLogger("moewatch.agent.actuators")
-
-
-@dataclass(frozen=True)
-class Actuation:
-    status: str  # sent (an Ack will follow) | applied | failed
-    detail: str = ""
-    ack: Ack | None = None  # for actuators that finish synchronously
-
-
-class Actuator(Protocol):
-    name: str
-
-    def apply(self, group_key: tuple[str, str], plan: Plan) -> Actuation: ...
-
-
-class RuntimeActuator:
-    """Plans over the unix socket to the connected reference runtime (or any runtime speaking wire)."""
-
-    name = "runtime"
-
-    def __init__(self, connection_of: Callable[[tuple[str, str]], object | None]):
-        self.connection_of = connection_of
-
-    def apply(self, group_key: tuple[str, str], plan: Plan) -> Actuation:
-        conn = self.connection_of(group_key)
-        if conn is None:
-            return Actuation("failed", "no runtime of this group is connected")
-        try:
-            conn.send(plan)
-        except (OSError, ConnectionError) as exc:
-            return Actuation("failed", f"send failed: {exc}")
-        return Actuation("sent", f"plan epoch {plan.epoch} sent on connection {conn.id}")
+log = logging.getLogger("moewatch.integrations.sglang.actuator")
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -87,11 +52,14 @@ class SGLangActuator:
 
     name = "sglang"
 
-    def __init__(self, location_file: str, command: str = "", timeout_seconds: float = 600.0):
-        self.location_file = Path(location_file)
+    def __init__(self, settings: Any):
+        """settings: the SGLang section (location_file, command, command_timeout_seconds, apply_seconds)."""
+        self.location_file = Path(settings.location_file)
         self.record_file = self.location_file.with_name(self.location_file.name + ".moewatch.json")
-        self.command = command
-        self.timeout_seconds = timeout_seconds
+        self.command = settings.command
+        self.timeout_seconds = settings.command_timeout_seconds
+        self.properties = ActuatorProperties(live=False, apply_seconds=float(settings.apply_seconds),
+                                             applies=frozenset({PLACEMENT}))
 
     def applied_record(self) -> dict | None:
         """What the last apply wrote beside the location file (None when nothing readable)."""
@@ -101,7 +69,7 @@ class SGLangActuator:
             return None
         return data if isinstance(data, dict) else None
 
-    def apply(self, group_key: tuple[str, str], plan: Plan) -> Actuation:
+    def apply(self, group_key: GroupKey, plan: Plan) -> Actuation:
         location = plan_to_json(plan, "sglang")
         done = self.applied_record()
         if (done and done.get("epoch") == plan.epoch and done.get("ok") and done.get("command") == self.command
@@ -131,7 +99,7 @@ class SGLangActuator:
         return self._record(group_key, plan, location, True,
                             f"wrote {self.location_file}; command ok in {elapsed:.1f} s", elapsed)
 
-    def _record(self, group_key: tuple[str, str], plan: Plan, location: str, ok: bool, detail: str,
+    def _record(self, group_key: GroupKey, plan: Plan, location: str, ok: bool, detail: str,
                 stall: float = 0.0) -> Actuation:
         record = {"epoch": plan.epoch, "reason": plan.reason, "model": group_key[0], "ep_group": group_key[1],
                   "written_at": time.time(), "location_file": self.location_file.name,
@@ -154,8 +122,3 @@ class SGLangActuator:
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
-
-def make_actuator(cfg, connection_of: Callable) -> Actuator:
-    if cfg.actuator == "sglang":
-        return SGLangActuator(cfg.sglang_location_file, cfg.sglang_command, cfg.sglang_command_timeout_seconds)
-    return RuntimeActuator(connection_of)

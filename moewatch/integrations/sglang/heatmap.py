@@ -35,8 +35,8 @@ from typing import Callable
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..telemetry import Window, WindowError
-from . import SourceError
+from ...telemetry import Window, WindowError
+from ..base import SourceError
 
 METRIC = "sglang:eplb_gpu_physical_count"
 RUNTIME = "sglang"

@@ -3,37 +3,43 @@ folder (each new dump set becomes one window, once) and its /metrics heatmap (pe
 between two scrapes becomes one window of per-rank totals, `rank_tokens`, under the placement the
 configuration gives; the latest is also on /status).
 
-One job, every `sglang_poll_seconds`. Errors are logged when they change, not on every poll.
+One job, every `poll_seconds` of the SGLang settings. Errors are logged when they change, not on
+every poll.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from moewatch.planner.files import FileFormatError, read_plan
-from moewatch.sources import SourceError
-from moewatch.sources.sglang_dump import DumpWatcher
-from moewatch.sources.sglang_metrics import HeatmapScraper, RankLoad, default_placement, heatmap_window
-from moewatch.telemetry import Window
+from ...planner.files import FileFormatError, read_plan
+from ..base import PLACEMENT, Ingest, SourceError
+from .dump import DumpWatcher
+from .heatmap import HeatmapScraper, RankLoad, default_placement, heatmap_window
 
-log = logging.getLogger("moewatch.agent.sglang")
+log = logging.getLogger("moewatch.integrations.sglang.source")
 
 
 class SGLangSource:
-    def __init__(self, cfg, ingest: Callable[[Window], str | None]):
-        self.ingest = ingest
+    job_name = "sglang_source"
+
+    def __init__(self, settings: Any):
+        """settings: the SGLang section (dump_dir, metrics_url, poll_seconds, placement_file,
+        num_experts, model, ep_group, actuate)."""
         self._last_error = ""
         self.rejected: dict[str, int] = {}
-        self.watcher = (DumpWatcher(cfg.sglang_dump_dir, on_error=self._error, model=cfg.sglang_model,
-                                    ep_group=cfg.sglang_ep_group) if cfg.sglang_dump_dir else None)
-        self.scraper = HeatmapScraper(cfg.sglang_metrics_url) if cfg.sglang_metrics_url else None
+        self.poll_seconds = settings.poll_seconds
+        # Its groups take placements only when the SGLang actuator writes them.
+        self.capabilities = frozenset({PLACEMENT}) if settings.actuate else frozenset()
+        self.watcher = (DumpWatcher(settings.dump_dir, on_error=self._error, model=settings.model,
+                                    ep_group=settings.ep_group) if settings.dump_dir else None)
+        self.scraper = HeatmapScraper(settings.metrics_url) if settings.metrics_url else None
         self.rank_load: RankLoad | None = None
-        self.placement_file = cfg.sglang_placement_file
-        self.num_experts = cfg.sglang_num_experts
-        self.identity = {"model": cfg.sglang_model, "ep_group": cfg.sglang_ep_group}
+        self.placement_file = settings.placement_file
+        self.num_experts = settings.num_experts
+        self.identity = {"model": settings.model, "ep_group": settings.ep_group}
         self.heatmap_windows = 0
 
     def _error(self, message: str) -> None:
@@ -41,10 +47,10 @@ class SGLangSource:
             log.warning("sglang source: %s", message)
         self._last_error = message
 
-    def poll(self) -> None:
+    def poll(self, ingest: Ingest) -> None:
         if self.watcher is not None:
             for window in self.watcher.poll():
-                reason = self.ingest(window)
+                reason = ingest(window)
                 if reason is not None:
                     self.rejected[reason] = self.rejected.get(reason, 0) + 1
                     self._error(f"window from {window.extra.get('source', {}).get('kind', 'a dump')} refused: {reason}")
@@ -65,7 +71,7 @@ class SGLangSource:
                 except SourceError as exc:
                     self._error(str(exc))
                     return
-                reason = self.ingest(window)
+                reason = ingest(window)
                 if reason is None:
                     self.heatmap_windows += 1
                 else:

@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from ..telemetry import Window, WindowError
-from . import SourceError
+from ...telemetry import Window, WindowError
+from ..base import SourceError
 
 RUNTIME = "sglang"
 DUMP_NAME = re.compile(r"^expert_distribution_recorder_(\d+(?:\.\d+)?)(?:_(\d+))?\.pt$")
