@@ -156,6 +156,6 @@ def _sha(text: str) -> str:
 
 
 def make_actuator(cfg, connection_of: Callable) -> Actuator:
-    if cfg.actuator == "sglang":
-        return SGLangActuator(cfg.sglang_location_file, cfg.sglang_command, cfg.sglang_command_timeout_seconds)
+    if cfg.sglang.actuate:
+        return SGLangActuator(cfg.sglang.location_file, cfg.sglang.command, cfg.sglang.command_timeout_seconds)
     return RuntimeActuator(connection_of)

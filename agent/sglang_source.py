@@ -3,7 +3,7 @@ folder (each new dump set becomes one window, once) and its /metrics heatmap (pe
 between two scrapes becomes one window of per-rank totals, `rank_tokens`, under the placement the
 configuration gives; the latest is also on /status).
 
-One job, every `sglang_poll_seconds`. Errors are logged when they change, not on every poll.
+One job, every `sglang.poll_seconds`. Errors are logged when they change, not on every poll.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ class SGLangSource:
         self.ingest = ingest
         self._last_error = ""
         self.rejected: dict[str, int] = {}
-        self.watcher = (DumpWatcher(cfg.sglang_dump_dir, on_error=self._error, model=cfg.sglang_model,
-                                    ep_group=cfg.sglang_ep_group) if cfg.sglang_dump_dir else None)
-        self.scraper = HeatmapScraper(cfg.sglang_metrics_url) if cfg.sglang_metrics_url else None
+        self.watcher = (DumpWatcher(cfg.sglang.dump_dir, on_error=self._error, model=cfg.sglang.model,
+                                    ep_group=cfg.sglang.ep_group) if cfg.sglang.dump_dir else None)
+        self.scraper = HeatmapScraper(cfg.sglang.metrics_url) if cfg.sglang.metrics_url else None
         self.rank_load: RankLoad | None = None
-        self.placement_file = cfg.sglang_placement_file
-        self.num_experts = cfg.sglang_num_experts
-        self.identity = {"model": cfg.sglang_model, "ep_group": cfg.sglang_ep_group}
+        self.placement_file = cfg.sglang.placement_file
+        self.num_experts = cfg.sglang.num_experts
+        self.identity = {"model": cfg.sglang.model, "ep_group": cfg.sglang.ep_group}
         self.heatmap_windows = 0
 
     def _error(self, message: str) -> None:
@@ -80,7 +80,7 @@ class SGLangSource:
         try:
             return read_plan(self.placement_file).physical_to_logical_map
         except FileFormatError as exc:
-            raise SourceError("sglang_placement_file", str(exc)) from None
+            raise SourceError("sglang.placement_file", str(exc)) from None
 
     def status(self) -> dict[str, Any]:
         return {"dump_dir": None if self.watcher is None else str(self.watcher.folder),
