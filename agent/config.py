@@ -398,21 +398,22 @@ def _all_paths() -> list[tuple[str, str]]:
     return paths + [(THRESHOLDS, n) for n in threshold_names()]
 
 
-# The flat names before sections: (section, field) of each one that was renamed on the way; every other
-# old name was the field's own name, or `sglang_<field>` for SGLang's.
+# The flat names before sections: each agent section's and threshold's field kept its name, but for
+# these; SGLang's were `sglang_<field>`.
 _RENAMED = {"history_windows": ("history", "windows"), "history_bytes": ("history", "bytes"),
             "verify_windows": ("verify", "windows"), "log_level": ("log", "level"),
             "log_interval_seconds": ("log", "interval_seconds"), "actuator": ("sglang", "actuate")}
+_FLAT_SGLANG = ("dump_dir", "metrics_url", "poll_seconds", "placement_file", "num_experts", "model", "ep_group",
+                "location_file", "command", "command_timeout_seconds", "apply_seconds")
 
 
 def moved_settings() -> dict[str, tuple[str, str]]:
     """{old flat name: (section, field)} for every setting of the flat namespace."""
     out: dict[str, tuple[str, str]] = {}
     for section, name in _all_paths():
-        if section in engine_sections():
-            out[f"{section}_{name}"] = (section, name)
-        elif (section, name) not in _RENAMED.values():
+        if section not in engine_sections() and (section, name) not in _RENAMED.values():
             out[name] = (section, name)
+    out.update({f"sglang_{name}": ("sglang", name) for name in _FLAT_SGLANG})
     out.update(_RENAMED)
     return out
 
