@@ -314,7 +314,7 @@ def placement_proposals(view: GroupView, params: PolicyParams, evidence: Sequenc
         if view.observed_stall_per_slot is not None:
             stall = max(stall, view.observed_stall_per_slot * int(moved[layer]))
         if params.cost.actuator_apply_seconds:
-            # SGLang takes a placement only by a restart or its own rebalance: the whole cost, for any move.
+            # An actuator that applies by restart or by its own rebalance (SGLang) costs it whole, for any move.
             stall = max(stall, params.cost.actuator_apply_seconds)
         hot = latest.diagnosis.layers[layer].metrics["hot_experts"]
         verdict = _label(*verdicts[layer])
