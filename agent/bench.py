@@ -101,7 +101,7 @@ def run(layers: int = 58, experts: int = 256, slots: int = 320, ranks: int = 64,
         sock_path, port = str(Path(tmp) / "agent.sock"), _free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "moewatch.cli", "agent", "--socket", sock_path, "--listen", f"127.0.0.1:{port}",
-               "--audit-log", str(Path(tmp) / "audit.jsonl"), "--mode", mode, "--log-level", "warning"]
+               "--log.audit-log", str(Path(tmp) / "audit.jsonl"), "--mode", mode, "--log.level", "warning"]
         agent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             return _drive(agent, sock_path, url, windows, rate, seconds, scrape_interval, warmup_windows,

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from moewatch.thresholds import ConfigError, thresholds_options
+from moewatch.thresholds import ConfigError
 
 from .config import build_config, config_options
 
@@ -33,14 +33,15 @@ class OneLineErrors(click.Command):
 
 @click.command(cls=OneLineErrors)
 @click.option("--config", "config_path", default=None, metavar="FILE",
-              help="YAML configuration (every field below; thresholds under `thresholds:`).")
+              help="YAML configuration: one mapping per section (server:, policy:, thresholds:, ...).")
 @click.option("--print-config", is_flag=True, help="Print the resolved configuration as JSON and exit.")
 @config_options
-@thresholds_options
 def agent(config_path: str | None, print_config: bool, **flags) -> None:
     """Run the sidecar agent: receive windows on a unix socket, triage, export, and (in act mode) act.
 
-    Every setting comes from, lowest first: defaults, --config FILE, MOEWATCH_<NAME> variables, flags.
+    Every setting comes from, lowest first: defaults, --config FILE, MOEWATCH_<SECTION>__<FIELD> variables,
+    --<section>.<field> flags (--mode, --socket and --listen are short for --policy.mode, --server.socket
+    and --server.listen).
     """
     try:
         cfg = build_config(config_path, flags=flags)
@@ -49,9 +50,9 @@ def agent(config_path: str | None, print_config: bool, **flags) -> None:
     if print_config:
         click.echo(json.dumps(cfg.to_dict(), indent=1))
         return
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=cfg.log.level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if cfg.log_level != "debug":  # APScheduler logs every run at INFO: twice a second is noise
+    if cfg.log.level != "debug":  # APScheduler logs every run at INFO: twice a second is noise
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
     from .daemon import Daemon, StartupError
 

@@ -1,28 +1,39 @@
-"""The agent's configuration: one validated object, from a YAML file, MOEWATCH_* variables and flags.
+"""The agent's configuration: one validated object of sections, from a YAML file, MOEWATCH_* variables and flags.
 
-Precedence, lowest first: built-in defaults, the YAML file (`--config`), environment variables
-(`MOEWATCH_<FIELD>`), command-line flags (`--<field>`). The triage thresholds sit in the same file
-under `thresholds:` and, like every agent field, are also a flag (`--comm-share`) and a variable
-(`MOEWATCH_COMM_SHARE`). Everything is checked once, at start: a bad value stops the agent with an
-error that names the field and where the value came from (`MOEWATCH_MODE: ...`, `--listen: ...`).
+Every setting lives in a section (`server`, `limits`, `policy`, ... and one per engine, e.g. `sglang`) and
+has one name per source, all spelled from its path `<section>.<field>`:
+- YAML: the key `<field>` under `<section>:`;
+- environment: `MOEWATCH_<SECTION>__<FIELD>` (upper case, a double underscore between the two);
+- flag: `--<section>.<field>` with dashes for underscores (`--policy.persist-windows`); the flags
+  operators type most keep a short alias (`--mode`, `--socket`, `--listen`, see FLAG_ALIASES).
+Precedence, lowest first: built-in defaults, the YAML file (`--config`), the environment, the flags.
+Everything is checked once, here: a bad value stops the agent with an error that names the field by
+its full path and where the value came from (`MOEWATCH_POLICY__MODE: ...`, `--server.listen: ...`). The
+settings of the flat namespace before sections are refused with the name they moved to.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import urllib.parse
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
+import yaml
+
+from moewatch.integrations import registry
+from moewatch.settings import check_section, coerce, default_of, section_fields, setting
 from moewatch.thresholds import ConfigError, Thresholds, read_yaml_mapping
 
 MODES = ("observe", "recommend", "act")
-ACTUATORS = ("runtime", "sglang")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "MOEWATCH_"
+THRESHOLDS = "thresholds"
+# Short flags operators type constantly: each is a second spelling of one sectioned flag.
+FLAG_ALIASES = {"--mode": "policy.mode", "--socket": "server.socket", "--listen": "server.listen"}
 
 
 def default_socket_path() -> str:
@@ -36,220 +47,21 @@ def default_audit_path() -> str:
     return str(Path(base) / "audit.jsonl")
 
 
-def _f(default: Any, help: str, *, kind: type = str, lo: float | None = None, hi: float | None = None,
-       choices: tuple[str, ...] = (), default_text: str | None = None) -> Any:
-    meta = {"help": help, "kind": kind, "lo": lo, "hi": hi, "choices": choices, "default_text": default_text}
-    if callable(default):
-        return field(default_factory=default, metadata=meta)
-    return field(default=default, metadata=meta)
+def octal_mode(value: str) -> str:
+    try:
+        bits = int(value, 8)
+    except ValueError:
+        raise ValueError(f"{value!r} is not an octal mode like 0660") from None
+    if not 0 <= bits <= 0o777:
+        raise ValueError(f"{value!r} is outside 0000-0777")
+    return f"{bits:04o}"
 
 
-@dataclass(frozen=True)
-class AgentConfig:
-    # --- where it listens
-    socket: str = _f(default_socket_path, "unix socket the runtimes connect to",
-                     default_text="$RUNTIME_DIRECTORY/moewatch.sock, else /run/moewatch/moewatch.sock")
-    socket_mode: str = _f("0660", "permissions of the socket file (octal)")
-    listen: str = _f("127.0.0.1:9477", "HOST:PORT of the HTTP server (/metrics, /healthz, /readyz, /status)")
-    max_frame_bytes: int = _f(16 * 1024 * 1024, "largest frame accepted; a larger one closes the connection",
-                              kind=int, lo=1024, hi=64 * 1024 * 1024)
-    tcp_listen: str = _f("", "HOST:PORT of an optional TCP listener speaking the socket's frames (a bare PORT "
-                             "listens on 127.0.0.1; empty: none)")
-    # --- what a peer may cost (hostile or broken runtimes)
-    max_connections: int = _f(256, "runtime connections open at once (socket and TCP); more are refused and "
-                                   "counted", kind=int, lo=1, hi=1_000_000)
-    frame_deadline_seconds: float = _f(10.0, "a frame that started to arrive must be complete within this, and a "
-                                             "queued plan must leave within this; else the connection is closed",
-                                       kind=float, lo=0.01, hi=3600)
-    buffer_budget_bytes: int = _f(256 * 1024 * 1024, "partial frames held across all connections; the connection "
-                                                     "that would exceed it is closed", kind=int, lo=1024,
-                                  hi=1 << 40)
-    max_outbox_bytes: int = _f(16 * 1024 * 1024, "plan bytes queued for one runtime that does not read before "
-                                                 "its connection is closed", kind=int, lo=1024, hi=1 << 34)
-    max_world_size: int = _f(4096, "largest world_size a hello may declare", kind=int, lo=1, hi=1 << 20)
-    max_num_layers: int = _f(1024, "most MoE layers a hello may declare", kind=int, lo=1, hi=1 << 20)
-    max_num_experts: int = _f(8192, "most experts per layer a hello may declare", kind=int, lo=1, hi=1 << 24)
-    max_num_slots: int = _f(131072, "most physical slots per layer a hello may declare", kind=int, lo=1,
-                            hi=1 << 26)
-    group_retire_seconds: float = _f(3600.0, "a group whose runtime left and sent nothing for this long is "
-                                             "forgotten and its series removed", kind=float, lo=0.1,
-                                     hi=365 * 86_400)
-    log_interval_seconds: float = _f(60.0, "repeated warnings (rejected frames, refused connections, skipped "
-                                           "jobs) are logged at most once per reason per interval", kind=float,
-                                     lo=0.01, hi=86_400)
-    # --- the HTTP listener's protection
-    max_http_connections: int = _f(32, "HTTP connections served at once; more are closed at once", kind=int,
-                                   lo=1, hi=10_000)
-    http_idle_seconds: float = _f(10.0, "an HTTP connection that sends nothing for this long is closed",
-                                  kind=float, lo=0.1, hi=3600)
-    tls_cert_file: str = _f("", "PEM certificate for HTTPS on `listen` (with tls_key_file; empty: plain HTTP)")
-    tls_key_file: str = _f("", "PEM private key of tls_cert_file")
-    basic_auth_user: str = _f("", "user name HTTP clients must give for /metrics and /status (empty: no "
-                                  "authentication; /healthz and /readyz stay open for probes)")
-    basic_auth_password_file: str = _f("", "file holding the basic-auth password (first line)")
-    # --- what it keeps
-    history_windows: int = _f(64, "windows kept per EP group (a rolling history)", kind=int, lo=2, hi=100_000)
-    history_bytes: int = _f(64 * 1024 * 1024, "most bytes of window arrays kept per EP group, history and "
-                            "backlog together; the oldest go first (a 58x256 window is about 2.8 MB, its diagnosis "
-                            "about 0.5 MB more)",
-                            kind=int, lo=1024 * 1024, hi=1 << 40)
-    max_groups: int = _f(64, "EP groups tracked at once; a hello beyond it is refused", kind=int, lo=1, hi=10_000)
-    # --- the jobs
-    triage_interval_seconds: float = _f(1.0, "how often the triage job triages the windows that arrived "
-                                             "since its last run", kind=float, lo=0.05, hi=3600)
-    plan_interval_seconds: float = _f(120.0, "how often the planning job runs the policy", kind=float,
-                                      lo=0.1, hi=86_400)
-    export_interval_seconds: float = _f(5.0, "how often the export job refreshes derived series", kind=float,
-                                        lo=0.1, hi=3600)
-    # --- export
-    expert_metrics: bool = _f(False, "export per-expert pair counters (moewatch_expert_pairs_total)", kind=bool)
-    expert_series_cap: int = _f(2000, "most per-expert series exported; the rest are counted as left out",
-                                kind=int, lo=0, hi=1_000_000)
-    otlp_endpoint: str = _f("", "OTLP/HTTP metrics endpoint, e.g. http://collector:4318/v1/metrics "
-                                "(empty: no push)")
-    otlp_interval_seconds: float = _f(15.0, "how often metrics are pushed over OTLP", kind=float, lo=1, hi=3600)
-    # --- policy
-    mode: str = _f("observe", "observe (metrics only), recommend (log and export recommendations) or act "
-                              "(send plans)", choices=MODES)
-    persist_windows: int = _f(3, "consecutive windows a verdict must hold before the policy acts on it (K)",
-                              kind=int, lo=1, hi=10_000)
-    horizon_seconds: float = _f(600.0, "how long a plan's predicted gain is counted for in the cost gate",
-                                kind=float, lo=1, hi=7 * 86_400)
-    gain_margin: float = _f(1.0, "the gain over the horizon must exceed the predicted stall times this",
-                            kind=float, lo=0, hi=1000)
-    min_balancedness_gain: float = _f(0.02, "a placement change must raise the layer's model balancedness by at "
-                                            "least this", kind=float, lo=0, hi=1)
-    cooldown_seconds: float = _f(300.0, "after a change, a layer is left alone this long", kind=float,
-                                 lo=0, hi=7 * 86_400)
-    max_plans_per_hour: int = _f(6, "global rate limit on plans sent (rollbacks excepted)", kind=int,
-                                 lo=0, hi=100_000)
-    max_replicas_per_expert: int = _f(4, "most slots one expert may hold (within the runtime's fixed slots)",
-                                      kind=int, lo=1, hi=100_000)
-    capacity_factor_min: float = _f(1.0, "lowest capacity factor the agent may set", kind=float, lo=0.1, hi=100)
-    capacity_factor_max: float = _f(2.0, "highest capacity factor the agent may set", kind=float, lo=0.1, hi=100)
-    allow_lossy_capacity: bool = _f(False, "allow capping hot experts (drops pairs) to level ranks", kind=bool)
-    verify_windows: int = _f(3, "windows of the new epoch compared with the windows before a change",
-                             kind=int, lo=1, hi=10_000)
-    rollback_balancedness_drop: float = _f(0.05, "roll back when a changed layer's balancedness falls by more "
-                                                 "than this", kind=float, lo=0, hi=1)
-    rollback_time_rise: float = _f(0.25, "roll back when a changed layer's time per step, for the same "
-                                         "busiest-rank load, rises by more than this share", kind=float, lo=0, hi=100)
-    ack_timeout_seconds: float = _f(60.0, "a plan with no Ack after this long counts as failed", kind=float,
-                                    lo=0.1, hi=86_400)
-    # --- what a plan costs (planner cost model inputs)
-    expert_bytes: int = _f(2 * 4096 * 14336 * 3, "bytes of one expert's weights (moved when a slot changes "
-                                                  "expert)", kind=int, lo=1, hi=1 << 50)
-    migration_bandwidth_bytes_per_second: float = _f(5e10, "bandwidth weights move at during a rebalance",
-                                                     kind=float, lo=1, hi=1e15)
-    inter_node_bandwidth_bytes_per_second: float = _f(2.2e10, "bandwidth weights move at between nodes (the "
-                                                              "slower link; prices a multi-node rebalance)",
-                                                      kind=float, lo=1, hi=1e15)
-    # --- actuator
-    actuator: str = _f("runtime", "runtime (plans over the socket) or sglang (an --init-expert-location file)",
-                       choices=ACTUATORS)
-    sglang_location_file: str = _f("", "where the sglang actuator writes the expert-location JSON")
-    sglang_command: str = _f("", "command run after writing the file (e.g. a rolling restart); empty: none")
-    sglang_command_timeout_seconds: float = _f(600.0, "the sglang command is stopped after this long",
-                                               kind=float, lo=1, hi=86_400)
-    sglang_apply_seconds: float = _f(1.8, "what applying a placement costs SGLang, in seconds of stalled serving "
-                                          "(about 1.8 s for its rebalance; a restart's time when sglang_command "
-                                          "restarts it): the cost gate weighs every plan against it",
-                                     kind=float, lo=0, hi=86_400)
-    # --- SGLang as a window source (observe and recommend without a probe in SGLang)
-    sglang_dump_dir: str = _f("", "SGLang's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR: each new expert-distribution "
-                                  "dump becomes one window (empty: not watched)")
-    sglang_metrics_url: str = _f("", "SGLang's /metrics URL: sglang:eplb_gpu_physical_count is scraped into windows "
-                                     "of per-rank load per layer, one per pair of scrapes; needs sglang_placement_file "
-                                     "or sglang_num_experts (empty: not scraped)")
-    sglang_poll_seconds: float = _f(15.0, "how often the SGLang dump folder is checked and /metrics scraped",
-                                    kind=float, lo=0.1, hi=86_400)
-    sglang_placement_file: str = _f("", "the --init-expert-location JSON SGLang was started with: the placement of the "
-                                        "/metrics windows (read at each window; empty: see sglang_num_experts)")
-    sglang_num_experts: int = _f(0, "logical experts per layer, for SGLang's default placement (slot s holds expert "
-                                    "s; no redundant experts) when sglang_placement_file is empty (0: unknown)",
-                                 kind=int, lo=0, hi=1 << 20)
-    sglang_model: str = _f("sglang", "model name of the windows read from SGLang (a metric label)")
-    sglang_ep_group: str = _f("ep0", "EP group name of the windows read from SGLang (a metric label)")
-    # --- files and logs
-    audit_log: str = _f(default_audit_path, "append-only JSONL of every decision",
-                        default_text="$STATE_DIRECTORY/audit.jsonl, else /var/lib/moewatch/audit.jsonl")
-    log_level: str = _f("info", "log verbosity", choices=LOG_LEVELS)
-    thresholds: Thresholds = field(default_factory=Thresholds,
-                                   metadata={"help": "triage thresholds (moewatch diagnose's)", "kind": Thresholds})
-
-    def __post_init__(self) -> None:
-        for f in agent_fields():
-            object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name)))
-        host, port = parse_listen(self.listen)
-        if self.capacity_factor_min > self.capacity_factor_max:
-            raise ConfigError(f"capacity_factor_min: {self.capacity_factor_min:g} is above capacity_factor_max "
-                              f"{self.capacity_factor_max:g}")
-        if not isinstance(self.thresholds, Thresholds):
-            raise ConfigError("thresholds: expected a mapping of threshold names to numbers")
-        if not self.socket:
-            raise ConfigError("socket: must not be empty")
-        if self.tcp_listen:
-            host, port = parse_listen(self.tcp_listen, "tcp_listen")
-            object.__setattr__(self, "tcp_listen", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-        if self.buffer_budget_bytes < self.max_frame_bytes:
-            raise ConfigError(f"buffer_budget_bytes: {self.buffer_budget_bytes} is below max_frame_bytes "
-                              f"{self.max_frame_bytes} (one whole frame must fit)")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ConfigError("tls_cert_file: give both tls_cert_file and tls_key_file, or neither")
-        if bool(self.basic_auth_user) != bool(self.basic_auth_password_file):
-            raise ConfigError("basic_auth_user: give both basic_auth_user and basic_auth_password_file, or neither")
-        if self.actuator == "sglang" and not self.sglang_location_file:
-            raise ConfigError("sglang_location_file: required when actuator is sglang")
-        if self.sglang_metrics_url:
-            parsed = urllib.parse.urlsplit(self.sglang_metrics_url)
-            if parsed.scheme not in ("http", "https") or not parsed.hostname:
-                raise ConfigError(f"sglang_metrics_url: expected http://HOST:PORT/metrics, got {self.sglang_metrics_url!r}")
-            if not self.sglang_placement_file and not self.sglang_num_experts:
-                # The exposition says nothing of the placement, and a window must state it.
-                raise ConfigError("sglang_metrics_url: its windows need the placement in force: set "
-                                  "sglang_placement_file (the --init-expert-location file) or sglang_num_experts "
-                                  "(SGLang's default placement)")
-
-    @property
-    def socket_mode_bits(self) -> int:
-        return int(self.socket_mode, 8)
-
-    @property
-    def listen_address(self) -> tuple[str, int]:
-        return parse_listen(self.listen)
-
-    @property
-    def tcp_address(self) -> tuple[str, int] | None:
-        return parse_listen(self.tcp_listen, "tcp_listen") if self.tcp_listen else None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in agent_fields()}
-        out["thresholds"] = dataclasses.asdict(self.thresholds)
-        return out
-
-
-def agent_fields() -> list[dataclasses.Field]:
-    """Every field but the nested thresholds."""
-    return [f for f in dataclasses.fields(AgentConfig) if f.name != "thresholds"]
-
-
-def threshold_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(Thresholds)]
-
-
-def env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
-
-
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
-
-
-def parse_listen(value: str, name: str = "listen") -> tuple[str, int]:
+def parse_listen(value: str, name: str = "server.listen") -> tuple[str, int]:
     """'HOST:PORT' (IPv6 as [::1]:PORT) -> (host, port); raises ConfigError naming the field. For
-    tcp_listen a bare PORT means loopback: another address is only ever listened on when named."""
+    server.tcp_listen a bare PORT means loopback: another address is only ever listened on when named."""
     text = str(value).strip()
-    if name == "tcp_listen" and text.isdigit():
+    if name.endswith("tcp_listen") and text.isdigit():
         text = "127.0.0.1:" + text
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
@@ -265,156 +77,568 @@ def parse_listen(value: str, name: str = "listen") -> tuple[str, int]:
     return host, port
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+# --- the sections ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Where the agent listens: the runtimes' socket and TCP listener, the HTTP server and its protection."""
+
+    socket: str = setting(default_socket_path, "unix socket the runtimes connect to",
+                          default_text="$RUNTIME_DIRECTORY/moewatch.sock, else /run/moewatch/moewatch.sock")
+    socket_mode: str = setting("0660", "permissions of the socket file (octal)", normalize=octal_mode)
+    listen: str = setting("127.0.0.1:9477", "HOST:PORT of the HTTP server (/metrics, /healthz, /readyz, /status)")
+    tcp_listen: str = setting("", "HOST:PORT of an optional TCP listener speaking the socket's frames (a bare "
+                                  "PORT listens on 127.0.0.1; empty: none)")
+    max_http_connections: int = setting(32, "HTTP connections served at once; more are closed at once", kind=int,
+                                        lo=1, hi=10_000)
+    http_idle_seconds: float = setting(10.0, "an HTTP connection that sends nothing for this long is closed",
+                                       kind=float, lo=0.1, hi=3600)
+    tls_cert_file: str = setting("", "PEM certificate for HTTPS on server.listen (with server.tls_key_file; "
+                                     "empty: plain HTTP)")
+    tls_key_file: str = setting("", "PEM private key of server.tls_cert_file")
+    basic_auth_user: str = setting("", "user name HTTP clients must give for /metrics and /status (empty: no "
+                                       "authentication; /healthz and /readyz stay open for probes)")
+    basic_auth_password_file: str = setting("", "file holding the basic-auth password (first line)")
+
+    def __post_init__(self) -> None:
+        check_section(self, "server")
+        if not self.socket:
+            raise ConfigError("server.socket: must not be empty")
+        parse_listen(self.listen)
+        if self.tcp_listen:
+            host, port = parse_listen(self.tcp_listen, "server.tcp_listen")
+            object.__setattr__(self, "tcp_listen", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("server.tls_cert_file: give both server.tls_cert_file and server.tls_key_file, "
+                              "or neither")
+        if bool(self.basic_auth_user) != bool(self.basic_auth_password_file):
+            raise ConfigError("server.basic_auth_user: give both server.basic_auth_user and "
+                              "server.basic_auth_password_file, or neither")
+
+    @property
+    def socket_mode_bits(self) -> int:
+        return int(self.socket_mode, 8)
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+    @property
+    def tcp_address(self) -> tuple[str, int] | None:
+        return parse_listen(self.tcp_listen, "server.tcp_listen") if self.tcp_listen else None
 
 
-def _coerce(f: dataclasses.Field, value: Any) -> Any:
-    """Check and convert one field's value; ConfigError names the field."""
-    meta = f.metadata
-    kind, name = meta["kind"], f.name
-    if kind is bool:
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name}: expected true or false, got {value!r}")
-        return value
-    if kind in (int, float):
-        if isinstance(value, str):
-            try:
-                value = float(value.strip()) if kind is float else int(value.strip(), 0)
-            except ValueError:
-                raise ConfigError(f"{name}: expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name}: expected a number, got {value!r}")
-        if kind is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ConfigError(f"{name}: expected a whole number, got {value!r}")
-            value = int(value)
-        else:
-            value = float(value)
-            if not math.isfinite(value):
-                raise ConfigError(f"{name}: must be finite, got {value!r}")
-        lo, hi = meta["lo"], meta["hi"]
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise ConfigError(f"{name}: {value!r} is outside [{lo:g}, {hi:g}]")
-        return value
-    if not isinstance(value, str):
-        raise ConfigError(f"{name}: expected a string, got {value!r}")
-    value = value.strip()
-    if meta["choices"] and value not in meta["choices"]:
-        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(meta['choices'])}")
-    if name == "socket_mode":
-        try:
-            bits = int(value, 8)
-        except ValueError:
-            raise ConfigError(f"socket_mode: {value!r} is not an octal mode like 0660") from None
-        if not 0 <= bits <= 0o777:
-            raise ConfigError(f"socket_mode: {value!r} is outside 0000-0777")
-        return f"{bits:04o}"
-    return value
+@dataclass(frozen=True)
+class LimitsSettings:
+    """What a peer may cost the agent (hostile or broken runtimes): frames, buffers, connections, hellos, groups."""
+
+    max_frame_bytes: int = setting(16 * 1024 * 1024, "largest frame accepted; a larger one closes the connection",
+                                   kind=int, lo=1024, hi=64 * 1024 * 1024)
+    frame_deadline_seconds: float = setting(10.0, "a frame that started to arrive must be complete within this, "
+                                                  "and a queued plan must leave within this; else the connection "
+                                                  "is closed", kind=float, lo=0.01, hi=3600)
+    buffer_budget_bytes: int = setting(256 * 1024 * 1024, "partial frames held across all connections; the "
+                                                          "connection that would exceed it is closed", kind=int,
+                                       lo=1024, hi=1 << 40)
+    max_outbox_bytes: int = setting(16 * 1024 * 1024, "plan bytes queued for one runtime that does not read before "
+                                                      "its connection is closed", kind=int, lo=1024, hi=1 << 34)
+    max_connections: int = setting(256, "runtime connections open at once (socket and TCP); more are refused and "
+                                        "counted", kind=int, lo=1, hi=1_000_000)
+    max_world_size: int = setting(4096, "largest world_size a hello may declare", kind=int, lo=1, hi=1 << 20)
+    max_num_layers: int = setting(1024, "most MoE layers a hello may declare", kind=int, lo=1, hi=1 << 20)
+    max_num_experts: int = setting(8192, "most experts per layer a hello may declare", kind=int, lo=1, hi=1 << 24)
+    max_num_slots: int = setting(131072, "most physical slots per layer a hello may declare", kind=int, lo=1,
+                                 hi=1 << 26)
+    max_groups: int = setting(64, "EP groups tracked at once; a hello beyond it is refused", kind=int, lo=1,
+                              hi=10_000)
+    group_retire_seconds: float = setting(3600.0, "a group whose runtime left and sent nothing for this long is "
+                                                  "forgotten and its series removed", kind=float, lo=0.1,
+                                          hi=365 * 86_400)
+
+    def __post_init__(self) -> None:
+        check_section(self, "limits")
+        if self.buffer_budget_bytes < self.max_frame_bytes:
+            raise ConfigError(f"limits.buffer_budget_bytes: {self.buffer_budget_bytes} is below "
+                              f"limits.max_frame_bytes {self.max_frame_bytes} (one whole frame must fit)")
 
 
-def _from_source(raw: Mapping[str, Any], where: Callable[[str], str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a flat {field: value} mapping into agent fields and thresholds, checking each value
-    alone so an error names where it came from (`where(field)`)."""
-    agent_names = {f.name: f for f in agent_fields()}
-    thresholds_known = set(threshold_names())
-    agent, thresholds = {}, {}
-    for key, value in raw.items():
+@dataclass(frozen=True)
+class HistorySettings:
+    """What the agent keeps per EP group."""
+
+    windows: int = setting(64, "windows kept per EP group (a rolling history)", kind=int, lo=2, hi=100_000)
+    bytes: int = setting(64 * 1024 * 1024, "most bytes of window arrays kept per EP group, history and backlog "
+                         "together; the oldest go first (a 58x256 window is about 2.8 MB, its diagnosis about "
+                         "0.5 MB more)", kind=int, lo=1024 * 1024, hi=1 << 40)
+
+    def __post_init__(self) -> None:
+        check_section(self, "history")
+
+
+@dataclass(frozen=True)
+class JobsSettings:
+    """How often each scheduled job runs."""
+
+    triage_interval_seconds: float = setting(1.0, "how often the triage job triages the windows that arrived "
+                                                  "since its last run", kind=float, lo=0.05, hi=3600)
+    plan_interval_seconds: float = setting(120.0, "how often the planning job runs the policy", kind=float,
+                                           lo=0.1, hi=86_400)
+    export_interval_seconds: float = setting(5.0, "how often the export job refreshes derived series", kind=float,
+                                             lo=0.1, hi=3600)
+
+    def __post_init__(self) -> None:
+        check_section(self, "jobs")
+
+
+@dataclass(frozen=True)
+class ExportersSettings:
+    """What is exported beyond the default series, and the OTLP push."""
+
+    expert_metrics: bool = setting(False, "export per-expert pair counters (moewatch_expert_pairs_total)",
+                                   kind=bool)
+    expert_series_cap: int = setting(2000, "most per-expert series exported; the rest are counted as left out",
+                                     kind=int, lo=0, hi=1_000_000)
+    otlp_endpoint: str = setting("", "OTLP/HTTP metrics endpoint, e.g. http://collector:4318/v1/metrics "
+                                     "(empty: no push)")
+    otlp_interval_seconds: float = setting(15.0, "how often metrics are pushed over OTLP", kind=float, lo=1,
+                                           hi=3600)
+
+    def __post_init__(self) -> None:
+        check_section(self, "exporters")
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """What the agent may do and the guardrails it decides within."""
+
+    mode: str = setting("observe", "observe (metrics only), recommend (log and export recommendations) or act "
+                                   "(send plans)", choices=MODES)
+    persist_windows: int = setting(3, "consecutive windows a verdict must hold before the policy acts on it (K)",
+                                   kind=int, lo=1, hi=10_000)
+    horizon_seconds: float = setting(600.0, "how long a plan's predicted gain is counted for in the cost gate",
+                                     kind=float, lo=1, hi=7 * 86_400)
+    gain_margin: float = setting(1.0, "the gain over the horizon must exceed the predicted stall times this",
+                                 kind=float, lo=0, hi=1000)
+    min_balancedness_gain: float = setting(0.02, "a placement change must raise the layer's model balancedness "
+                                                 "by at least this", kind=float, lo=0, hi=1)
+    cooldown_seconds: float = setting(300.0, "after a change, a layer is left alone this long", kind=float,
+                                      lo=0, hi=7 * 86_400)
+    max_plans_per_hour: int = setting(6, "global rate limit on plans sent (rollbacks excepted)", kind=int,
+                                      lo=0, hi=100_000)
+    max_replicas_per_expert: int = setting(4, "most slots one expert may hold (within the runtime's fixed slots)",
+                                           kind=int, lo=1, hi=100_000)
+    capacity_factor_min: float = setting(1.0, "lowest capacity factor the agent may set", kind=float, lo=0.1,
+                                         hi=100)
+    capacity_factor_max: float = setting(2.0, "highest capacity factor the agent may set", kind=float, lo=0.1,
+                                         hi=100)
+    allow_lossy_capacity: bool = setting(False, "allow capping hot experts (drops pairs) to level ranks",
+                                         kind=bool)
+
+    def __post_init__(self) -> None:
+        check_section(self, "policy")
+        if self.capacity_factor_min > self.capacity_factor_max:
+            raise ConfigError(f"policy.capacity_factor_min: {self.capacity_factor_min:g} is above "
+                              f"policy.capacity_factor_max {self.capacity_factor_max:g}")
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    """How a plan is judged after its Ack, and when it is rolled back."""
+
+    windows: int = setting(3, "windows of the new epoch compared with the windows before a change", kind=int,
+                           lo=1, hi=10_000)
+    rollback_balancedness_drop: float = setting(0.05, "roll back when a changed layer's balancedness falls by "
+                                                      "more than this", kind=float, lo=0, hi=1)
+    rollback_time_rise: float = setting(0.25, "roll back when a changed layer's time per step, for the same "
+                                              "busiest-rank load, rises by more than this share", kind=float, lo=0,
+                                        hi=100)
+    ack_timeout_seconds: float = setting(60.0, "a plan with no Ack after this long counts as failed", kind=float,
+                                         lo=0.1, hi=86_400)
+
+    def __post_init__(self) -> None:
+        check_section(self, "verify")
+
+
+@dataclass(frozen=True)
+class CostSettings:
+    """What a plan costs: the planner cost model's inputs for moving expert weights."""
+
+    expert_bytes: int = setting(2 * 4096 * 14336 * 3, "bytes of one expert's weights (moved when a slot changes "
+                                                       "expert)", kind=int, lo=1, hi=1 << 50)
+    migration_bandwidth_bytes_per_second: float = setting(5e10, "bandwidth weights move at during a rebalance",
+                                                          kind=float, lo=1, hi=1e15)
+    inter_node_bandwidth_bytes_per_second: float = setting(2.2e10, "bandwidth weights move at between nodes (the "
+                                                                   "slower link; prices a multi-node rebalance)",
+                                                           kind=float, lo=1, hi=1e15)
+
+    def __post_init__(self) -> None:
+        check_section(self, "cost")
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    """The audit log and the agent's own log."""
+
+    audit_log: str = setting(default_audit_path, "append-only JSONL of every decision",
+                             default_text="$STATE_DIRECTORY/audit.jsonl, else /var/lib/moewatch/audit.jsonl")
+    level: str = setting("info", "log verbosity", choices=LOG_LEVELS)
+    interval_seconds: float = setting(60.0, "repeated warnings (rejected frames, refused connections, skipped "
+                                            "jobs) are logged at most once per reason per interval", kind=float,
+                                      lo=0.01, hi=86_400)
+
+    def __post_init__(self) -> None:
+        check_section(self, "log")
+
+
+AGENT_SECTIONS: dict[str, type] = {"server": ServerSettings, "limits": LimitsSettings, "history": HistorySettings,
+                                   "jobs": JobsSettings, "exporters": ExportersSettings, "policy": PolicySettings,
+                                   "verify": VerifySettings, "cost": CostSettings, "log": LogSettings}
+
+
+def engine_sections() -> dict[str, type]:
+    """Each engine's section, by name, as its integration declares it (the agent reads it as `cfg.<engine>`)."""
+    return registry.settings_sections()
+
+
+def sections() -> dict[str, type]:
+    """Every section but the thresholds, in the order docs and the sample file show them."""
+    return {**AGENT_SECTIONS, **engine_sections()}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    server: ServerSettings = field(default_factory=ServerSettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
+    history: HistorySettings = field(default_factory=HistorySettings)
+    jobs: JobsSettings = field(default_factory=JobsSettings)
+    exporters: ExportersSettings = field(default_factory=ExportersSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    verify: VerifySettings = field(default_factory=VerifySettings)
+    cost: CostSettings = field(default_factory=CostSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    # {engine name: its settings}; each is also `cfg.<name>`. Missing engines get their defaults.
+    engines: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, cls in AGENT_SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name}: expected a {cls.__name__}")
+        if not isinstance(self.thresholds, Thresholds):
+            raise ConfigError("thresholds: expected a mapping of threshold names to numbers")
+        engines = dict(self.engines)
+        for name, cls in engine_sections().items():
+            engines.setdefault(name, cls())
+            if not isinstance(engines[name], cls):
+                raise ConfigError(f"{name}: expected a {cls.__name__}")
+        unknown = sorted(set(engines) - set(engine_sections()))
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown section")
+        object.__setattr__(self, "engines", MappingProxyType(engines))
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: an engine section by its name (cfg.sglang).
+        engines = self.__dict__.get("engines")
+        if engines is not None and name in engines:
+            return engines[name]
+        raise AttributeError(name)
+
+    def section(self, name: str) -> Any:
+        return getattr(self, name)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None = None, **overrides: Mapping[str, Any]) -> "AgentConfig":
+        """A config from {section: {field: value}} (or {"section.field": value}) over the defaults, each
+        keyword section's settings laid over `data`'s: from_mapping(base, policy={"mode": "act"}). For tests
+        and tools; the environment is not read."""
+        merged: dict[str, Any] = {}
+        for key, value in [*(data or {}).items(), *overrides.items()]:
+            if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+                value = {**merged[key], **value}
+            merged[key] = value
+        values: dict[tuple[str, str], Any] = {}
+        for key, value in merged.items():
+            section, _, name = str(key).partition(".")
+            if section not in sections() and section != THRESHOLDS:
+                raise ConfigError(_unknown(section, section))
+            items = {name: value} if name else value
+            if not isinstance(items, Mapping):
+                raise ConfigError(f"{section}: expected a mapping of settings")
+            values.update(_read_section(section, items, lambda s, n: f"{s}.{n}"))
+        return _assemble(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {name: dataclasses.asdict(self.section(name)) for name in sections()}
+        out[THRESHOLDS] = dataclasses.asdict(self.thresholds)
+        return out
+
+
+# --- names ----------------------------------------------------------------------------------------
+
+def env_name(section: str, name: str) -> str:
+    return f"{ENV_PREFIX}{section.upper()}__{name.upper()}"
+
+
+def flag_name(section: str, name: str) -> str:
+    return f"--{section}.{name.replace('_', '-')}"
+
+
+def flag_dest(section: str, name: str) -> str:
+    """The click parameter name of a sectioned flag."""
+    return f"{section}__{name}"
+
+
+def threshold_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(Thresholds)]
+
+
+def _all_paths() -> list[tuple[str, str]]:
+    paths = [(s, n) for s, cls in sections().items() for n in section_fields(cls)]
+    return paths + [(THRESHOLDS, n) for n in threshold_names()]
+
+
+# The flat names before sections: each agent section's and threshold's field kept its name, but for
+# these; SGLang's were `sglang_<field>`.
+_RENAMED = {"history_windows": ("history", "windows"), "history_bytes": ("history", "bytes"),
+            "verify_windows": ("verify", "windows"), "log_level": ("log", "level"),
+            "log_interval_seconds": ("log", "interval_seconds"), "actuator": ("sglang", "actuate")}
+_FLAT_SGLANG = ("dump_dir", "metrics_url", "poll_seconds", "placement_file", "num_experts", "model", "ep_group",
+                "location_file", "command", "command_timeout_seconds", "apply_seconds")
+
+
+def moved_settings() -> dict[str, tuple[str, str]]:
+    """{old flat name: (section, field)} for every setting of the flat namespace."""
+    out: dict[str, tuple[str, str]] = {}
+    for section, name in _all_paths():
+        if section not in engine_sections() and (section, name) not in _RENAMED.values():
+            out[name] = (section, name)
+    out.update({f"sglang_{name}": ("sglang", name) for name in _FLAT_SGLANG})
+    out.update(_RENAMED)
+    return out
+
+
+# --- sources --------------------------------------------------------------------------------------
+
+def _read_section(section: str, items: Mapping[str, Any], where: Callable[[str, str], str]
+                  ) -> dict[tuple[str, str], Any]:
+    """One section's values from a source, each coerced alone so an error names where it came from."""
+    out: dict[tuple[str, str], Any] = {}
+    if section == THRESHOLDS:
+        for key, value in items.items():
+            name = str(key).replace("-", "_")
+            out[(section, name)] = _threshold(name, value, where(section, name))
+        return out
+    cls = sections().get(section)
+    if cls is None:
+        raise ConfigError(_unknown(section, section))
+    known = section_fields(cls)
+    for key, value in items.items():
         name = str(key).replace("-", "_")
-        if name in agent_names:
-            try:
-                agent[name] = _coerce(agent_names[name], value)
-            except ConfigError as exc:
-                raise ConfigError(f"{where(name)}: {str(exc).split(': ', 1)[1]}") from None
-        elif name in thresholds_known:
-            thresholds[name] = value
-        else:
-            raise ConfigError(f"{where(name)}: unknown setting")
-    return agent, thresholds
+        if name not in known:
+            raise ConfigError(f"{where(section, name)}: unknown setting")
+        out[(section, name)] = coerce(known[name], value, where(section, name))
+    return out
 
 
-def load_yaml(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The YAML file's agent fields and thresholds (both checked by name)."""
-    data = read_yaml_mapping(path, "a mapping of settings")
-    nested = data.pop("thresholds", None) or {}
-    if not isinstance(nested, dict):
-        raise ConfigError(f"{path}: thresholds: expected a mapping of threshold names to numbers")
-    agent, flat_thresholds = _from_source(data, lambda name: f"{path}: {name}")
-    if flat_thresholds:
-        name = next(iter(flat_thresholds))
-        raise ConfigError(f"{path}: {name}: a threshold belongs under `thresholds:`")
-    return agent, {str(k).replace("-", "_"): v for k, v in nested.items()}
+def _threshold(name: str, value: Any, where: str) -> float:
+    if name not in threshold_names():
+        raise ConfigError(f"{where}: unknown threshold (known: {', '.join(sorted(threshold_names()))})")
+    try:
+        number = float(value) if isinstance(value, str) else value
+        Thresholds.from_mapping({name: number})
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {str(exc).split(': ', 1)[1]}") from None
+    except ValueError:
+        raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    return number
 
 
-def load_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """MOEWATCH_<FIELD> variables for every agent field and threshold (others are ignored)."""
-    known = [f.name for f in agent_fields()] + threshold_names()
-    raw = {name: environ[env_name(name)] for name in known if env_name(name) in environ}
-    return _from_source(raw, env_name)
+def _unknown(key: str, where: str) -> str:
+    moved = moved_settings().get(key)
+    if moved is not None:
+        return f"{where}: moved to {'.'.join(moved)}"
+    return f"{where}: unknown section"
+
+
+def load_yaml(path: str | Path) -> dict[tuple[str, str], Any]:
+    """The YAML file's settings, {(section, field): value}; a flat key of old is refused with its new place."""
+    data = read_yaml_mapping(path, "a mapping of sections")
+    out: dict[tuple[str, str], Any] = {}
+    for key, items in data.items():
+        section = str(key)
+        if section not in sections() and section != THRESHOLDS:
+            raise ConfigError(_unknown(section, f"{path}: {section}"))
+        if items is None:
+            continue
+        if not isinstance(items, Mapping):
+            what = "threshold names to numbers" if section == THRESHOLDS else "settings"
+            raise ConfigError(f"{path}: {section}: expected a mapping of {what}")
+        out.update(_read_section(section, items, lambda s, n: f"{path}: {s}.{n}"))
+    return out
+
+
+def load_env(environ: Mapping[str, str]) -> dict[tuple[str, str], Any]:
+    """MOEWATCH_<SECTION>__<FIELD> variables. A variable of the flat namespace before sections is refused
+    with its new name; other MOEWATCH_* variables (the runtime's own) are left alone."""
+    by_env = {env_name(s, n): (s, n) for s, n in _all_paths()}
+    prefixes = {env_name(s, "") for s in [*sections(), THRESHOLDS]}
+    old = {ENV_PREFIX + name.upper(): path for name, path in moved_settings().items()}
+    out: dict[tuple[str, str], Any] = {}
+    for variable in sorted(environ):
+        if variable in by_env:
+            section, name = by_env[variable]
+            out.update(_read_section(section, {name: environ[variable]}, lambda s, n: variable))
+        elif variable in old:
+            raise ConfigError(f"{variable}: moved to {env_name(*old[variable])}")
+        elif any(variable.startswith(prefix) for prefix in prefixes):
+            raise ConfigError(f"{variable}: unknown setting")
+    return out
+
+
+def load_flags(flags: Mapping[str, Any]) -> dict[tuple[str, str], Any]:
+    """{"section.field" or "section__field": value} flags; None means not given."""
+    out: dict[tuple[str, str], Any] = {}
+    for key, value in flags.items():
+        if value is None:
+            continue
+        section, sep, name = str(key).replace("__", ".", 1).partition(".")
+        if not sep:
+            moved = moved_settings().get(section.replace("-", "_"))
+            flag = "--" + section.replace("_", "-")
+            raise ConfigError(f"{flag}: moved to {flag_name(*moved)}" if moved else f"{flag}: unknown setting")
+        name = name.replace("-", "_")
+        out.update(_read_section(section, {name: value}, flag_name))
+    return out
+
+
+def _assemble(values: Mapping[tuple[str, str], Any]) -> AgentConfig:
+    by_section: dict[str, dict[str, Any]] = {}
+    for (section, name), value in values.items():
+        by_section.setdefault(section, {})[name] = value
+    built = {name: cls(**by_section.get(name, {})) for name, cls in AGENT_SECTIONS.items()}
+    engines = {name: cls(**by_section.get(name, {})) for name, cls in engine_sections().items()}
+    return AgentConfig(**built, thresholds=Thresholds.from_mapping(by_section.get(THRESHOLDS, {})), engines=engines)
 
 
 def build_config(config_path: str | None = None, environ: Mapping[str, str] | None = None,
                  flags: Mapping[str, Any] | None = None) -> AgentConfig:
-    """Defaults < YAML < environment < flags. Flags whose value is None were not given."""
+    """Defaults < YAML < environment < flags, checked once. Flags whose value is None were not given."""
     environ = os.environ if environ is None else environ
-    file_agent, file_thr = load_yaml(config_path) if config_path else ({}, {})
-    env_agent, env_thr = load_env(environ)
-    flag_agent, flag_thr = _from_source({k: v for k, v in (flags or {}).items() if v is not None}, flag_name)
-    merged_thr: dict[str, Any] = {}
-    for source, where in ((file_thr, lambda n: f"{config_path}: thresholds.{n}"), (env_thr, env_name),
-                          (flag_thr, flag_name)):
-        for name, value in source.items():
-            # A threshold from a string source (env) is parsed here so its error names the variable.
-            try:
-                Thresholds.from_mapping({name: float(value) if isinstance(value, str) else value})
-            except ConfigError as exc:
-                raise ConfigError(f"{where(name)}: {str(exc).split(': ', 1)[1]}") from None
-            except ValueError:
-                raise ConfigError(f"{where(name)}: expected a number, got {value!r}") from None
-            merged_thr[name] = float(value) if isinstance(value, str) else value
-    merged = {**file_agent, **env_agent, **flag_agent}
-    try:
-        thresholds = Thresholds.from_mapping(merged_thr)
-        return AgentConfig(**merged, thresholds=thresholds)
-    except ConfigError:
-        raise
-    except TypeError as exc:  # pragma: no cover - guarded by _from_source
-        raise ConfigError(str(exc)) from None
+    merged = {**(load_yaml(config_path) if config_path else {}), **load_env(environ), **load_flags(flags or {})}
+    return _assemble(merged)
 
+
+# --- what the schema generates: docs, the sample file, the flags ---------------------------------
 
 def describe() -> list[dict[str, Any]]:
-    """Every setting with its flag, variable, default and meaning (docs/agent.md is checked against it)."""
+    """Every setting with its path, flag, variable, default and meaning (docs/agent.md is generated from it)."""
+    aliases = {path: flag for flag, path in FLAG_ALIASES.items()}
     rows = []
-    for f in agent_fields():
-        meta = f.metadata
-        default = meta["default_text"] or (f.default if f.default is not dataclasses.MISSING else None)
-        rows.append({"name": f.name, "flag": flag_name(f.name), "env": env_name(f.name),
-                     "type": meta["kind"].__name__, "default": default, "help": meta["help"],
-                     "choices": list(meta["choices"])})
+    for section, cls in sections().items():
+        for name, f in section_fields(cls).items():
+            meta = f.metadata
+            path = f"{section}.{name}"
+            rows.append({"name": path, "section": section, "field": name, "flag": flag_name(section, name),
+                         "alias": aliases.get(path, ""), "env": env_name(section, name),
+                         "type": meta["kind"].__name__, "default": default_of(f), "help": meta["help"],
+                         "choices": list(meta["choices"])})
     for row in Thresholds.describe():
-        rows.append({"name": f"thresholds.{row['name']}", "flag": flag_name(row["name"]),
-                     "env": env_name(row["name"]), "type": "float", "default": row["default"],
+        rows.append({"name": f"{THRESHOLDS}.{row['name']}", "section": THRESHOLDS, "field": row["name"],
+                     "flag": flag_name(THRESHOLDS, row["name"]), "alias": "",
+                     "env": env_name(THRESHOLDS, row["name"]), "type": "float", "default": row["default"],
                      "help": row["help"], "choices": []})
     return rows
 
 
+def _section_doc(section: str) -> str:
+    if section == THRESHOLDS:
+        return "The triage thresholds (moewatch diagnose's); docs/triage.md gives their sources."
+    return " ".join((sections()[section].__doc__ or "").split())
+
+
+def settings_table() -> str:
+    """The Markdown of docs/agent.md's settings, one table per section."""
+    lines: list[str] = []
+    for section in [*sections(), THRESHOLDS]:
+        lines += [f"#### `{section}`", "", _section_doc(section), "",
+                  "| setting | flag | variable | type | default | meaning |", "|---|---|---|---|---|---|"]
+        for row in (r for r in describe() if r["section"] == section):
+            flag = f"`{row['flag']}`" + (f" (`{row['alias']}`)" if row["alias"] else "")
+            default = row["default"]
+            default = '""' if default == "" else f"{default:g}" if isinstance(default, float) else str(default)
+            choices = " \\| ".join(row["choices"])
+            meaning = row["help"] + (f" ({choices})" if choices else "")
+            lines.append(f"| `{row['field']}` | {flag} | `{row['env']}` | {row['type']} | {default} | {meaning} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def sample_config() -> str:
+    """agent/deploy/agent.yaml: every section and setting at its default, each with its meaning. A default
+    worked out at start (the socket and audit paths under systemd) is left commented out."""
+    out = ["# /etc/moewatch/agent.yaml: the agent's configuration, one mapping per section. Generated from the",
+           "# schema (scripts/config_docs.py); docs/agent.md lists every setting with its flag and MOEWATCH_*",
+           "# variable. Anything left out keeps its default."]
+    for section in [*sections(), THRESHOLDS]:
+        out += ["", *(f"# {line}" for line in textwrap.wrap(_section_doc(section), 100)), f"{section}:"]
+        rows = [r for r in describe() if r["section"] == section]
+        for row in rows:
+            out += [f"  # {line}" for line in textwrap.wrap(row["help"], 98)]
+            factory = section in sections() and section_fields(sections()[section])[row["field"]].default is \
+                dataclasses.MISSING
+            text = yaml.safe_dump({row["field"]: row["default"]}, default_flow_style=False, width=1000).strip()
+            if factory:
+                value = section_fields(sections()[section])[row["field"]].default_factory()
+                text = "# " + yaml.safe_dump({row["field"]: _systemd_default(value)}, width=1000).strip()
+            out.append(f"  {text}")
+    return "\n".join(out) + "\n"
+
+
+def _systemd_default(value: str) -> str:
+    # The sample shows the path the agent picks without RUNTIME_DIRECTORY / STATE_DIRECTORY.
+    return "/run/moewatch/moewatch.sock" if value.endswith(".sock") else "/var/lib/moewatch/audit.jsonl"
+
+
 def config_options(command: Callable) -> Callable:
-    """One click option per agent field (default None = not given); thresholds come from
-    moewatch.thresholds.thresholds_options."""
+    """One click option per setting, `--section.field` (default None = not given), with the documented
+    aliases; the flat flags before sections are accepted only to be refused with the flag they moved to."""
     import click
 
-    for f in reversed(agent_fields()):
-        meta = f.metadata
-        if meta["kind"] is bool:
-            opt = click.option(f"{flag_name(f.name)}/--no-{f.name.replace('_', '-')}", f.name, default=None,
-                               help=meta["help"])
+    for row in reversed(describe()):
+        section, name = row["section"], row["field"]
+        decls = [row["flag"]] + ([row["alias"]] if row["alias"] else [])
+        if row["type"] == "bool":
+            negative = f"--{section}.no-{name.replace('_', '-')}"
+            opt = click.option(f"{row['flag']}/{negative}", flag_dest(section, name), default=None, help=row["help"])
         else:
-            ctype = {int: int, float: float}.get(meta["kind"], str)
-            if meta["choices"]:
-                ctype = click.Choice(meta["choices"])
-            opt = click.option(flag_name(f.name), f.name, type=ctype, default=None, help=meta["help"],
-                               metavar=None if meta["choices"] else meta["kind"].__name__.upper())
+            ctype = {"int": int, "float": float}.get(row["type"], str)
+            if row["choices"]:
+                ctype = click.Choice(row["choices"])
+            opt = click.option(*decls, flag_dest(section, name), type=ctype, default=None, help=row["help"],
+                               metavar=None if row["choices"] else row["type"].upper())
         command = opt(command)
+    for old, path in sorted(moved_settings().items()):
+        if "--" + old.replace("_", "-") in FLAG_ALIASES:
+            continue  # the alias is the same setting
+        command = _refused_flag(old, path)(command)
     return command
+
+
+def _refused_flag(old: str, path: tuple[str, str]) -> Callable:
+    import click
+
+    new = flag_name(*path)
+    flags = ["--" + old.replace("_", "-")]
+    kind = (section_fields(sections()[path[0]])[path[1]].metadata["kind"] if path[0] in sections() else float)
+    if kind is bool:
+        flags.append("--no-" + old.replace("_", "-"))
+
+    def refuse(ctx, param, value):
+        if value:
+            raise click.UsageError(f"{flags[0]}: moved to {new}")
+        return value
+
+    if kind is bool:
+        return click.option(*flags, hidden=True, is_flag=True, default=None, expose_value=False, callback=refuse)
+    return click.option(flags[0], hidden=True, default=None, expose_value=False, callback=refuse)
+

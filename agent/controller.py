@@ -24,9 +24,10 @@ from moewatch.integrations.base import Actuator
 from moewatch.plan import Plan, PlanError
 from moewatch.wire import Ack
 
-from . import policy
+from . import policy, verification
 from .audit import AuditLog
 from .exporters import MetricsState
+from .params import from_config
 from .store import GroupStore, Store, TriagedWindow
 
 log = logging.getLogger("moewatch.agent.controller")
@@ -37,7 +38,7 @@ class PlanInFlight:
     plan: Plan
     sent_at: float
     decisions: list[policy.Decision]
-    baseline: dict[int, policy.LayerBaseline]
+    baseline: dict[int, verification.LayerBaseline]
     changed_layers: tuple[int, ...]
     previous_map: np.ndarray  # [L, P] the whole state before, for a rollback
     previous_capacity: np.ndarray  # [L]
@@ -65,6 +66,7 @@ class Controller:
     def __init__(self, cfg, store: Store, metrics: MetricsState, audit: AuditLog, actuator: Actuator,
                  clock: Callable[[], float] = time.time):
         self.cfg = cfg
+        self.params = from_config(cfg)  # what the policy and verification decide within
         self.store = store
         self.metrics = metrics
         self.audit = audit
@@ -80,7 +82,7 @@ class Controller:
 
     # --- records ------------------------------------------------------------------------------------
     def _record(self, group: GroupStore, event: str, **fields: Any) -> dict[str, Any]:
-        entry = self.audit.record(event, model=group.key[0], ep_group=group.key[1], mode=self.cfg.mode, **fields)
+        entry = self.audit.record(event, model=group.key[0], ep_group=group.key[1], mode=self.cfg.policy.mode, **fields)
         self.control(group.key).recent.append(entry)
         for listener in self.listeners:
             try:
@@ -100,7 +102,7 @@ class Controller:
 
     def plan_group(self, group: GroupStore, now: float | None = None) -> policy.Proposal | None:
         now = self.clock() if now is None else now
-        if self.cfg.mode == "observe" or not group.connected or group.hello is None:
+        if self.cfg.policy.mode == "observe" or not group.connected or group.hello is None:
             return None
         ctl = self.control(group.key)
         with self._lock:
@@ -116,12 +118,12 @@ class Controller:
                 windows=group.recent(epoch=group.epoch_in_force), last_change=dict(ctl.last_change),
                 plan_times=tuple(ctl.plan_times), observed_stall_per_slot=ctl.stall_per_slot,
                 fit_windows=group.recent())
-            proposal = policy.decide(view, self.cfg, now)
+            proposal = policy.decide(view, self.params.policy, now)
             for d in proposal.decisions:
                 if d.result in ("skipped", "recommended"):
                     self._count(group, d.kind, d.result)
                 self._record(group, "decision", epoch_in_force=group.epoch_in_force, **d.to_dict())
-            if proposal.has_plan and self.cfg.mode == "act":
+            if proposal.has_plan and self.cfg.policy.mode == "act":
                 latest = view.windows[-1].window
                 self._send(group, ctl, proposal.physical_to_logical_map, proposal.capacity_factor,
                            proposal.reason, [d for d in proposal.decisions if d.result == "proposed"],
@@ -146,8 +148,8 @@ class Controller:
             new_map = np.asarray(physical_to_logical_map, dtype=np.int64)
             changed = tuple(int(x) for x in np.flatnonzero((new_map != old_map).any(axis=1)
                                                            | (np.asarray(capacity_factor) != old_cap)))
-            windows = group.recent(epoch=group.epoch_in_force)[-self.cfg.persist_windows:] or [latest]
-            baseline = {layer: policy.make_baseline(windows, layer, old_map[layer], float(old_cap[layer]),
+            windows = group.recent(epoch=group.epoch_in_force)[-self.cfg.policy.persist_windows:] or [latest]
+            baseline = {layer: verification.make_baseline(windows, layer, old_map[layer], float(old_cap[layer]),
                                                     latest.window.world_size) for layer in changed}
             decision = policy.Decision(kind, changed, "proposed", reason)
             self._record(group, "decision", epoch_in_force=group.epoch_in_force, **decision.to_dict())
@@ -155,7 +157,7 @@ class Controller:
                               [decision], baseline, changed, old_map, old_cap, now)
 
     def _send(self, group: GroupStore, ctl: GroupControl, pmap: np.ndarray, cap: np.ndarray, reason: str,
-              decisions: list[policy.Decision], baseline: dict[int, policy.LayerBaseline],
+              decisions: list[policy.Decision], baseline: dict[int, verification.LayerBaseline],
               changed: tuple[int, ...], previous_map: np.ndarray, previous_cap: np.ndarray, now: float,
               rollback_of: int | None = None) -> Plan | None:
         hello = group.hello
@@ -245,8 +247,8 @@ class Controller:
             ctl = self.control(group.key)
             with self._lock:
                 flight = ctl.in_flight
-                if flight is not None and now - flight.sent_at > self.cfg.ack_timeout_seconds:
-                    self._finish_failed(group, ctl, flight, f"no Ack within {self.cfg.ack_timeout_seconds:g} s")
+                if flight is not None and now - flight.sent_at > self.cfg.verify.ack_timeout_seconds:
+                    self._finish_failed(group, ctl, flight, f"no Ack within {self.cfg.verify.ack_timeout_seconds:g} s")
 
     def abandon(self, group: GroupStore, why: str) -> None:
         """The runtime this group's plans were for is gone (a new lineage, or the group retired): a plan
@@ -277,7 +279,7 @@ class Controller:
             if flight is None or triaged.window.epoch != flight.plan.epoch:
                 return
             windows = group.recent(epoch=flight.plan.epoch)
-            outcome = policy.verify(flight.baseline, windows, self.cfg, triaged.window.world_size)
+            outcome = verification.verify(flight.baseline, windows, self.params.verify, triaged.window.world_size)
             if outcome.status == "wait":
                 return
             ctl.verifying = None
@@ -312,7 +314,7 @@ class Controller:
                     "plans_applied": ctl.plans_applied, "rollbacks": ctl.rollbacks,
                     "observed_stall_per_slot_seconds": ctl.stall_per_slot,
                     "layers_in_cooldown": sorted(layer for layer, t in ctl.last_change.items()
-                                                 if self.clock() - t < self.cfg.cooldown_seconds),
+                                                 if self.clock() - t < self.cfg.policy.cooldown_seconds),
                     "recent": list(ctl.recent)[-20:]}
 
 

@@ -41,7 +41,7 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class StartupError(Exception):
-    """The agent cannot start; the message names the setting at fault (socket, listen, audit_log)."""
+    """The agent cannot start; the message names the setting at fault (server.socket, server.listen, ...)."""
 
 
 def _named(setting: str, value: str, exc: OSError) -> StartupError:
@@ -69,35 +69,36 @@ def check_hello(hello: Hello, cfg: AgentConfig) -> tuple[str, str] | None:
     rpn = hello.ranks_per_node
     if rpn and rpn < W and W % rpn:
         return "invalid_hello", f"{W} ranks do not split into nodes of {rpn}"
-    for name, value, limit in (("world_size", W, cfg.max_world_size), ("num_layers", L, cfg.max_num_layers),
-                               ("num_experts", E, cfg.max_num_experts), ("num_slots", P, cfg.max_num_slots)):
+    limits = cfg.limits
+    for name, value, limit in (("world_size", W, limits.max_world_size), ("num_layers", L, limits.max_num_layers),
+                               ("num_experts", E, limits.max_num_experts), ("num_slots", P, limits.max_num_slots)):
         if value > limit:
             return "hello_over_limit", f"{name} {value} is above max_{name} {limit}"
     return None
 
 
 def http_security(cfg: AgentConfig) -> HttpSecurity:
-    return HttpSecurity.from_files(cfg.tls_cert_file, cfg.tls_key_file, cfg.basic_auth_user,
-                                   cfg.basic_auth_password_file)
+    return HttpSecurity.from_files(cfg.server.tls_cert_file, cfg.server.tls_key_file, cfg.server.basic_auth_user,
+                                   cfg.server.basic_auth_password_file)
 
 
 class Daemon:
     def __init__(self, cfg: AgentConfig, otel_readers: Iterable[Any] = (), notifier: SystemdNotifier | None = None):
         self.cfg = cfg
         self.notifier = notifier or SystemdNotifier()
-        self.metrics = MetricsState(cfg.expert_series_cap)
+        self.metrics = MetricsState(cfg.exporters.expert_series_cap)
         self.registry = make_registry(self.metrics)
         self._otel_readers = list(otel_readers)
         self.otel = None
         self.audit: AuditLog | None = None
-        self.store = Store(cfg.history_windows, cfg.max_groups, cfg.history_bytes)
+        self.store = Store(cfg.history.windows, cfg.limits.max_groups, cfg.history.bytes)
         self.controller: Controller | None = None
         self.receiver: Receiver | None = None
         self.web: WebServer | None = None
         self.jobs = Jobs(on_error=lambda job: self.metrics.inc("moewatch_job_errors_total", (job,)),
                          on_misfire=lambda job: self.metrics.inc("moewatch_job_misfires_total", (job,)),
-                         log_interval=cfg.log_interval_seconds)
-        self._throttle = Throttle(cfg.log_interval_seconds)
+                         log_interval=cfg.log.interval_seconds)
+        self._throttle = Throttle(cfg.log.interval_seconds)
         self.health = Health()
         self.window_listeners: list[Callable[[GroupStore, TriagedWindow], None]] = []
         self._connections: dict[tuple[str, str], Connection] = {}
@@ -113,14 +114,15 @@ class Daemon:
     def start(self) -> "Daemon":
         cfg = self.cfg
         try:
-            self.audit = AuditLog(cfg.audit_log)
+            self.audit = AuditLog(cfg.log.audit_log)
         except OSError as exc:
-            raise _named("audit_log", cfg.audit_log, exc) from None
-        init_static(self.metrics, cfg.mode)
-        if cfg.otlp_endpoint or self._otel_readers:
+            raise _named("log.audit_log", cfg.log.audit_log, exc) from None
+        init_static(self.metrics, cfg.policy.mode)
+        if cfg.exporters.otlp_endpoint or self._otel_readers:
             from .otel import OtelBridge
 
-            self.otel = OtelBridge(self.metrics, cfg.otlp_endpoint, cfg.otlp_interval_seconds, self._otel_readers)
+            self.otel = OtelBridge(self.metrics, cfg.exporters.otlp_endpoint, cfg.exporters.otlp_interval_seconds,
+                                   self._otel_readers)
         try:
             actuator = registry.build_actuator(cfg, self.connection_of)
         except ValueError as exc:
@@ -131,13 +133,13 @@ class Daemon:
         for reason in ("slow_reader", "frame_deadline", "buffer_budget"):
             self.metrics.inc("moewatch_connections_closed_total", (reason,), 0)
         self.metrics.inc("moewatch_groups_retired_total", (), 0)
-        limits = Limits(max_connections=cfg.max_connections, frame_deadline=cfg.frame_deadline_seconds,
-                        buffer_budget=cfg.buffer_budget_bytes, max_outbox_bytes=cfg.max_outbox_bytes,
-                        log_interval=cfg.log_interval_seconds)
-        self.receiver = Receiver(cfg.socket, cfg.socket_mode_bits, cfg.max_frame_bytes,
+        limits = Limits(max_connections=cfg.limits.max_connections, frame_deadline=cfg.limits.frame_deadline_seconds,
+                        buffer_budget=cfg.limits.buffer_budget_bytes, max_outbox_bytes=cfg.limits.max_outbox_bytes,
+                        log_interval=cfg.log.interval_seconds)
+        self.receiver = Receiver(cfg.server.socket, cfg.server.socket_mode_bits, cfg.limits.max_frame_bytes,
                                  on_message=self.handle_message, on_reject=self._on_reject,
                                  on_frame=lambda t: self.metrics.inc("moewatch_frames_received_total", (t,)),
-                                 on_disconnect=self._on_disconnect, tcp=cfg.tcp_address, limits=limits,
+                                 on_disconnect=self._on_disconnect, tcp=cfg.server.tcp_address, limits=limits,
                                  on_refused=self._on_refused,
                                  on_closed=lambda r: self.metrics.inc("moewatch_connections_closed_total", (r,)))
         try:
@@ -145,30 +147,30 @@ class Daemon:
         except FileExistsError as exc:
             raise StartupError(str(exc)) from None
         except TcpListenError as exc:
-            raise _named("tcp_listen", cfg.tcp_listen, exc) from None
+            raise _named("server.tcp_listen", cfg.server.tcp_listen, exc) from None
         except OSError as exc:
-            raise _named("socket", cfg.socket, exc) from None
-        host, port = cfg.listen_address
+            raise _named("server.socket", cfg.server.socket, exc) from None
+        host, port = cfg.server.listen_address
         try:
             self.web = WebServer(host, port, {"/metrics": self._metrics_route, "/healthz": self._healthz,
                                               "/readyz": self._readyz, "/status": self._status_route},
-                                 security=http_security(cfg), max_connections=cfg.max_http_connections,
-                                 idle_seconds=cfg.http_idle_seconds, log_interval=cfg.log_interval_seconds,
+                                 security=http_security(cfg), max_connections=cfg.server.max_http_connections,
+                                 idle_seconds=cfg.server.http_idle_seconds, log_interval=cfg.log.interval_seconds,
                                  on_refused=lambda: self._on_refused("http_max_connections"))
         except OSError as exc:
-            raise _named("listen", cfg.listen, exc) from None
+            raise _named("server.listen", cfg.server.listen, exc) from None
         except ValueError as exc:  # TLS or auth files that do not load
             raise StartupError(str(exc)) from None
         self.web.start()
         self.health.liveness["scheduler"] = lambda: Check("scheduler", self.jobs.running,
                                                           "" if self.jobs.running else "scheduler stopped")
-        self.health.liveness["socket"] = lambda: Check("socket", self.receiver.listening, str(cfg.socket))
-        self.health.readiness["audit_log"] = lambda: Check("audit_log", self.audit.writable(), str(cfg.audit_log))
+        self.health.liveness["socket"] = lambda: Check("socket", self.receiver.listening, str(cfg.server.socket))
+        self.health.readiness["audit_log"] = lambda: Check("audit_log", self.audit.writable(), str(cfg.log.audit_log))
         self._ack_thread = threading.Thread(target=self._ack_loop, name="moewatch-acks", daemon=True)
         self._ack_thread.start()
-        self.jobs.add("triage", self.triage_job, cfg.triage_interval_seconds)
-        self.jobs.add("plan", self.plan_job, cfg.plan_interval_seconds)
-        self.jobs.add("export", self.export_job, cfg.export_interval_seconds)
+        self.jobs.add("triage", self.triage_job, cfg.jobs.triage_interval_seconds)
+        self.jobs.add("plan", self.plan_job, cfg.jobs.plan_interval_seconds)
+        self.jobs.add("export", self.export_job, cfg.jobs.export_interval_seconds)
         self.sources = registry.build_sources(cfg)
         for source in self.sources.values():
             ingest = functools.partial(self.ingest_window, capabilities=source.capabilities)
@@ -178,17 +180,17 @@ class Daemon:
         init_jobs(self.metrics, [job.id for job in self.jobs.scheduler.get_jobs()])
         self.jobs.start()
         self.started_at = time.time()
-        self.notifier.ready(f"serving {cfg.socket}, http {self.http_url}")
-        log.info("moewatch agent %s in %s mode: socket %s%s, http %s, audit %s", __version__, cfg.mode,
-                 cfg.socket, f", tcp {cfg.tcp_address[0]}:{self.receiver.tcp_port}" if cfg.tcp_listen else "",
-                 self.http_url, cfg.audit_log)
+        self.notifier.ready(f"serving {cfg.server.socket}, http {self.http_url}")
+        tcp = f", tcp {cfg.server.tcp_address[0]}:{self.receiver.tcp_port}" if cfg.server.tcp_listen else ""
+        log.info("moewatch agent %s in %s mode: socket %s%s, http %s, audit %s", __version__, cfg.policy.mode,
+                 cfg.server.socket, tcp, self.http_url, cfg.log.audit_log)
         return self
 
     @property
     def http_url(self) -> str:
-        host, _ = self.cfg.listen_address
-        port = self.web.port if self.web else self.cfg.listen_address[1]
-        scheme = "https" if self.cfg.tls_cert_file else "http"
+        host, _ = self.cfg.server.listen_address
+        port = self.web.port if self.web else self.cfg.server.listen_address[1]
+        scheme = "https" if self.cfg.server.tls_cert_file else "http"
         return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
 
     def stop(self, quiet: bool = False) -> None:
@@ -395,7 +397,7 @@ class Daemon:
     def _triage_group(self, group: GroupStore) -> None:
         for window in group.take_untriaged():
             diagnosis = diagnose(window, self.cfg.thresholds)
-            record_window(self.metrics, group.export, window, diagnosis, self.cfg.expert_metrics)
+            record_window(self.metrics, group.export, window, diagnosis, self.cfg.exporters.expert_metrics)
             triaged = TriagedWindow(window, diagnosis, time.time())
             if not group.add_triaged(triaged):
                 continue  # the old lineage's: exported, never counted for the new runtime
@@ -425,7 +427,7 @@ class Daemon:
                     continue
                 last = max(t for t in (group.left_at, group.last_window_received, group.last_heartbeat)
                            if t is not None)
-                if now - last < self.cfg.group_retire_seconds:
+                if now - last < self.cfg.limits.group_retire_seconds:
                     continue
             self.controller.abandon(group, "group retired: its runtime left")
             self.store.remove(group.key)
@@ -464,8 +466,8 @@ class Daemon:
             item = group.status()
             item["control"] = self.controller.status(group.key)
             groups.append(item)
-        return {"agent": {"version": __version__, "mode": self.cfg.mode, "socket": self.cfg.socket,
-                          "started_at": self.started_at, "audit_log": self.cfg.audit_log,
+        return {"agent": {"version": __version__, "mode": self.cfg.policy.mode, "socket": self.cfg.server.socket,
+                          "started_at": self.started_at, "audit_log": self.cfg.log.audit_log,
                           "frames_rejected": dict(self._series("moewatch_frames_rejected_total")),
                           "frames_received": dict(self._series("moewatch_frames_received_total"))},
                 "groups": groups, **{name: self.sources[name].status() if name in self.sources else None

@@ -54,19 +54,20 @@ DEMO_RUNTIME_GPU = {**DEMO_RUNTIME, "hidden": 2048, "ffn": 4096, "batch-tokens":
                     "backend": "nccl", "dtype": "bfloat16"}
 # The agent reacts in seconds (a production default is minutes).
 DEMO_AGENT = {
-    "mode": "act", "persist_windows": 2, "verify_windows": 3, "plan_interval_seconds": 0.5,
-    "triage_interval_seconds": 0.2, "export_interval_seconds": 1.0, "cooldown_seconds": 10.0,
-    "max_plans_per_hour": 120, "horizon_seconds": 300.0, "history_windows": 256,
-    # Weights move over shared memory (gloo) or NVLink/PCIe (NCCL); expert_bytes follows the shape.
-    "migration_bandwidth_bytes_per_second": 1e9,
+    "policy.mode": "act", "policy.persist_windows": 2, "verify.windows": 3, "jobs.plan_interval_seconds": 0.5,
+    "jobs.triage_interval_seconds": 0.2, "jobs.export_interval_seconds": 1.0, "policy.cooldown_seconds": 10.0,
+    "policy.max_plans_per_hour": 120, "policy.horizon_seconds": 300.0, "history.windows": 256,
+    # Weights move over shared memory (gloo) or NVLink/PCIe (NCCL); cost.expert_bytes follows the shape.
+    "cost.migration_bandwidth_bytes_per_second": 1e9,
 }
 
 
-def agent_settings(runtime_flags: dict[str, Any], **changes: Any) -> dict[str, Any]:
-    """DEMO_AGENT with the bytes of one expert of this runtime shape (three hidden x ffn matrices)."""
+def agent_settings(runtime_flags: dict[str, Any], changes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """DEMO_AGENT with the bytes of one expert of this runtime shape (three hidden x ffn matrices), then
+    `changes` ({"section.field": value})."""
     element = 2 if runtime_flags.get("dtype") in ("bfloat16", "float16") else 4
-    return {**DEMO_AGENT, "expert_bytes": 3 * int(runtime_flags["hidden"]) * int(runtime_flags["ffn"]) * element,
-            **changes}
+    expert_bytes = 3 * int(runtime_flags["hidden"]) * int(runtime_flags["ffn"]) * element
+    return {**DEMO_AGENT, "cost.expert_bytes": expert_bytes, **(changes or {})}
 
 
 @contextlib.contextmanager
@@ -240,8 +241,8 @@ def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str
     socket_path = str(work / "agent.sock")
     if len(socket_path.encode()) > 100:  # sun_path holds 108 bytes
         raise DemoError(f"--keep: {work} is too long a path for a unix socket inside it")
-    cfg = build_config(flags={**agent_flags, "socket": socket_path, "listen": listen,
-                              "audit_log": str(work / "audit.jsonl")}, environ={})
+    cfg = build_config(flags={**agent_flags, "server.socket": socket_path, "server.listen": listen,
+                              "log.audit_log": str(work / "audit.jsonl")}, environ={})
     recorder = recorder or _Recorder(False, time.monotonic())
     daemon = Daemon(cfg)
     daemon.window_listeners.append(recorder.on_window)
@@ -268,7 +269,7 @@ def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str
         deadline = time.monotonic() + 5
         while group is not None and group.untriaged and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(2 * cfg.triage_interval_seconds)
+        time.sleep(2 * cfg.jobs.triage_interval_seconds)
         current_rss, peak_rss = _rss_bytes()
         rejected = {labels[0]: int(v) for labels, v in daemon.metrics.series("moewatch_frames_rejected_total")}
     except subprocess.TimeoutExpired:
@@ -280,7 +281,7 @@ def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str
         first, last = recorder.first_window_at, recorder.last_window_at
     ingest_wall = (last[0] - first[0]) if first and last and last[0] > first[0] else None
     cpu_share = (_cpu(last[1]) - _cpu(first[1])) / ingest_wall if ingest_wall else None
-    return Session(windows, events, runtime, rejected, cpu_share, current_rss, peak_rss, str(cfg.audit_log),
+    return Session(windows, events, runtime, rejected, cpu_share, current_rss, peak_rss, str(cfg.log.audit_log),
                    metrics_url, work)
 
 
@@ -347,7 +348,8 @@ def run_demo(seconds: float = 45.0, ranks: int | None = None, folder: str | None
     gpus = visible_gpus()
     flags = DEMO_RUNTIME_GPU if gpus else DEMO_RUNTIME
     ranks = ranks or default_ranks(gpus)
-    build_config(flags={**agent_settings(flags), "socket": str(work / "agent.sock"), "listen": listen}, environ={})  # bad --listen
+    build_config(flags={**agent_settings(flags), "server.socket": str(work / "agent.sock"), "server.listen": listen},
+                 environ={})  # bad --listen
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     recorder = _Recorder(live, started)

@@ -6,8 +6,9 @@
   being connected: in Kubernetes a native sidecar's failing readiness takes the whole pod out of
   its Service, so an idle or restarting inference server must not make the agent unready
   (REFERENCE.md).
-- HTTP: optionally HTTPS (tls_cert_file, tls_key_file) and basic authentication (basic_auth_user,
-  basic_auth_password_file) for /metrics and /status; /healthz and /readyz stay open for probes.
+- HTTP: optionally HTTPS (server.tls_cert_file, server.tls_key_file) and basic authentication
+  (server.basic_auth_user, server.basic_auth_password_file) for /metrics and /status; /healthz and
+  /readyz stay open for probes.
 - systemd: with NOTIFY_SOCKET set, `READY=1` once serving, `WATCHDOG=1` every half WatchdogSec while
   /healthz passes, `STOPPING=1` on shutdown. Without NOTIFY_SOCKET these are no-ops.
 """
@@ -144,17 +145,17 @@ class HttpSecurity:
             try:
                 tls.load_cert_chain(cert_file, key_file)
             except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"tls_cert_file: {cert_file} with tls_key_file {key_file}: "
+                raise ValueError(f"server.tls_cert_file: {cert_file} with server.tls_key_file {key_file}: "
                                  f"{getattr(exc, 'strerror', None) or exc}") from None
         authorization = None
         if user:
             try:
                 lines = Path(password_file).read_text(encoding="utf-8").splitlines()
             except (OSError, UnicodeDecodeError) as exc:
-                raise ValueError(f"basic_auth_password_file: {password_file}: "
+                raise ValueError(f"server.basic_auth_password_file: {password_file}: "
                                  f"{getattr(exc, 'strerror', None) or exc}") from None
             if not lines or not lines[0]:
-                raise ValueError(f"basic_auth_password_file: {password_file}: empty")
+                raise ValueError(f"server.basic_auth_password_file: {password_file}: empty")
             token = base64.b64encode(f"{user}:{lines[0]}".encode()).decode()
             authorization = f"Basic {token}".encode()
         return cls(tls, authorization)
@@ -235,7 +236,7 @@ class WebServer:
                 if not slots.acquire(blocking=False):
                     refused()
                     if throttle("refused") is not None:
-                        log.warning("http: %d connections open: refusing more (max_http_connections)",
+                        log.warning("http: %d connections open: refusing more (server.max_http_connections)",
                                     max_connections)
                     self.shutdown_request(request)
                     return

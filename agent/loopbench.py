@@ -65,7 +65,7 @@ def run_once(seconds: float, control_seconds: float, ranks: int, runtime_flags: 
     act_rec = _Recorder(progress, started, err=True, prefix=f"{label}act ")
     act = run_session(folder / "act", runtime_flags, agent_settings(runtime_flags), seconds, ranks, recorder=act_rec)
     ctl_rec = _Recorder(progress, started, err=True, prefix=f"{label}control ")
-    control = run_session(folder / "control", runtime_flags, agent_settings(runtime_flags, mode="observe"),
+    control = run_session(folder / "control", runtime_flags, agent_settings(runtime_flags, {"policy.mode": "observe"}),
                           control_seconds, ranks, recorder=ctl_rec)
     figures = step_figures(act.windows, act.events, int(runtime_flags["warmup-steps"]))
     start_epoch = act.windows[0].window.epoch if act.windows else 0

@@ -243,7 +243,7 @@ class Receiver:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and self.max_connections > soft - FD_RESERVE:
             self.max_connections = max(1, soft - FD_RESERVE)
-            log.warning("max_connections lowered to %d: the descriptor limit is %d (raise LimitNOFILE)",
+            log.warning("limits.max_connections lowered to %d: the descriptor limit is %d (raise LimitNOFILE)",
                         self.max_connections, soft)
         self._spare_fd = os.open(os.devnull, os.O_RDONLY)
         for sock, kind in self._listeners:
@@ -259,7 +259,7 @@ class Receiver:
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
-            raise FileExistsError(f"socket: {self.path} exists and is not a socket")
+            raise FileExistsError(f"server.socket: {self.path} exists and is not a socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(self.path))
@@ -268,7 +268,7 @@ class Receiver:
             return
         finally:
             probe.close()
-        raise FileExistsError(f"socket: another process is listening on {self.path}")
+        raise FileExistsError(f"server.socket: another process is listening on {self.path}")
 
     @property
     def listening(self) -> bool:
@@ -391,7 +391,7 @@ class Receiver:
         self.on_refused("out_of_descriptors")
         self._log_throttled("emfile", logging.ERROR,
                             "out of file descriptors (%s) with %d connections open: refusing new ones; "
-                            "raise LimitNOFILE or lower max_connections", exc.strerror, len(self._connections))
+                            "raise LimitNOFILE or lower limits.max_connections", exc.strerror, len(self._connections))
         if self._spare_fd is not None:
             os.close(self._spare_fd)
             self._spare_fd = None

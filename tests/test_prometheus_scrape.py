@@ -133,7 +133,7 @@ def stack(tmp_path):
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     try:
         s.procs["agent"] = start(moewatch("agent", "--socket", str(sock), "--listen", s.agent_addr,
-                                          "--audit-log", str(tmp_path / "audit.jsonl")), tmp_path / "agent.log", tmp_path)
+                                          "--log.audit-log", str(tmp_path / "audit.jsonl")), tmp_path / "agent.log", tmp_path)
         s.procs["prometheus"] = start(
             ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
              f"--web.listen-address={s.prom_url.removeprefix('http://')}"], tmp_path / "prometheus.log", tmp_path)

@@ -88,10 +88,6 @@ class Source(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
-def _no_settings(cfg: Any) -> None:
-    return None
-
-
 def _actuate_setting(settings: Any) -> bool:
     return bool(getattr(settings, "actuate", False))
 
@@ -99,12 +95,16 @@ def _actuate_setting(settings: Any) -> bool:
 @dataclass(frozen=True)
 class Integration:
     """One engine's declarations. Every callable takes the integration's own settings (what
-    `settings_of(cfg)` returns from the agent's config), never the whole config."""
+    `settings(cfg)` returns from the agent's config), never the whole config."""
 
     name: str
     runtimes: frozenset[str] = frozenset()  # Window.runtime values this integration covers
     settings_section: str | None = None  # the agent config's section for this engine; None: it has none
-    settings_of: Callable[[Any], Any] = _no_settings
+    # The section's frozen settings class (fields declared with moewatch.settings.setting): the agent's
+    # config builds, validates and documents the section from it.
+    settings_class: type | None = None
+    # cfg -> settings, for an integration whose settings live elsewhere (a test's); default: its section.
+    settings_of: Callable[[Any], Any] | None = None
     # settings -> its Source, or None when the settings configure nothing to poll.
     make_source: Callable[[Any], Source | None] | None = None
     # (settings, connection_of) -> its Actuator; connection_of(group_key) is the group's wire connection.
@@ -113,3 +113,9 @@ class Integration:
     wants_actuator: Callable[[Any], bool] = _actuate_setting
     # For the windows it covers when its engine takes no plan from outside: OBSERVE_ONLY with a reason.
     observe_only: ActuatorProperties | None = None
+
+    def settings(self, cfg: Any) -> Any:
+        """This integration's settings from the agent's config (None when it has no section)."""
+        if self.settings_of is not None:
+            return self.settings_of(cfg)
+        return None if self.settings_section is None else cfg.engines[self.settings_section]

@@ -47,6 +47,12 @@ def get(name: str) -> Integration:
     return _integrations[name]
 
 
+def settings_sections() -> dict[str, type]:
+    """{section name: settings class} of every integration that has a config section."""
+    return {i.settings_section: i.settings_class for i in _integrations.values()
+            if i.settings_section is not None and i.settings_class is not None}
+
+
 def covering(runtime: str) -> Integration | None:
     """The integration whose windows carry this `runtime` value, None when no integration claims it."""
     return next((i for i in _integrations.values() if runtime in i.runtimes), None)
@@ -56,12 +62,12 @@ def build_actuator(cfg: Any, connection_of: Callable[[GroupKey], Any]) -> Actuat
     """The agent's actuator: that of the one integration whose settings ask for it, else the default.
     ValueError when several ask (the agent sends every plan through one actuator)."""
     wanted = [i for i in _integrations.values()
-              if i.make_actuator is not None and i.wants_actuator(i.settings_of(cfg))]
+              if i.make_actuator is not None and i.wants_actuator(i.settings(cfg))]
     if len(wanted) > 1:
         names = ", ".join(i.name for i in wanted)
         raise ValueError(f"actuator: only one engine's actuator can steer the agent's plans, asked: {names}")
     chosen = wanted[0] if wanted else _integrations[DEFAULT_ACTUATOR]
-    return chosen.make_actuator(chosen.settings_of(cfg), connection_of)
+    return chosen.make_actuator(chosen.settings(cfg), connection_of)
 
 
 def build_sources(cfg: Any) -> dict[str, Source]:
@@ -70,7 +76,7 @@ def build_sources(cfg: Any) -> dict[str, Source]:
     for integration in _integrations.values():
         if integration.make_source is None:
             continue
-        source = integration.make_source(integration.settings_of(cfg))
+        source = integration.make_source(integration.settings(cfg))
         if source is not None:
             sources[integration.name] = source
     return sources

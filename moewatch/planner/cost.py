@@ -262,6 +262,16 @@ def fit(windows: Iterable[Any], base: CostModel | None = None, rounds: int = 4) 
     return replace(model, **changes), report
 
 
+def fit_or_default(windows: Iterable[Any], base: CostModel) -> CostModel:
+    """`fit` of the windows over `base` (parameters the windows cannot pin down keep base's), or base
+    itself when the fit fails."""
+    try:
+        model, _ = fit(windows, base)
+    except (ValueError, np.linalg.LinAlgError):
+        return base
+    return model
+
+
 def _nnls_fit(x: np.ndarray, y: np.ndarray, base: list[float]) -> tuple[list[float], list[bool], float]:
     """Fit y ~ x @ coef, coef >= 0, using only the columns that vary (a constant column is the
     intercept when it is the only constant one); the others stay at `base` (their part subtracted)."""

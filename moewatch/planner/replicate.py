@@ -8,6 +8,8 @@ per-replica load) and finished greedily, for all layers at once.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 _BISECTION_STEPS = 32
@@ -33,6 +35,25 @@ def replica_counts(load: np.ndarray, num_slots: int) -> np.ndarray:
         counts[~busy, : extra % E] += 1
     if busy.any():
         counts[busy] = _water_fill(load[busy], num_slots)
+    return counts
+
+
+def capped_replica_counts(load: np.ndarray, num_slots: int, max_replicas: int) -> np.ndarray:
+    """[L, E] load -> [L, E] replica counts summing to num_slots, each in [1, max_replicas] where the
+    slots allow it (the water-filling above, then the excess handed to the experts with the most
+    load per replica that are still under the cap)."""
+    counts = replica_counts(load, num_slots)
+    L, E = counts.shape
+    cap = max(max_replicas, math.ceil(num_slots / E))  # the slots must go somewhere
+    for layer in range(L):
+        row = counts[layer]
+        excess = int(np.maximum(row - cap, 0).sum())
+        if not excess:
+            continue
+        row[:] = np.minimum(row, cap)
+        for _ in range(excess):
+            per_replica = np.where(row < cap, load[layer] / row, -np.inf)
+            row[int(np.argmax(per_replica))] += 1
     return counts
 
 

@@ -6,7 +6,9 @@
   balanced plan (movement.py);
 - with `affinity` (transition counts): pairs between consecutive layers kept on a GPU under
   `balancedness_floor` (affinity.py); with `current` too, GPUs are renamed (all layers alike) to
-  move as little as that allows.
+  move as little as that allows;
+- with `max_replicas`: a layer where the solve gives an expert more slots than that is re-packed
+  from capped replica counts (and aligned to `current` when given).
 Decisions only: nothing here touches a runtime.
 """
 
@@ -21,10 +23,10 @@ import numpy as np
 from ..plan import PlanError, check_placement
 from .affinity import affinity_placement
 from .metrics import (PlacementShapeError, balancedness, check_sizes, contiguous_placement,
-                      dispatch_cross_shares, experts_moved, transition_cross_shares)
+                      dispatch_cross_shares, experts_moved, replica_counts_of, transition_cross_shares)
 from .movement import align_to_current, minimal_movement
 from .packing import pack
-from .replicate import replica_counts
+from .replicate import capped_replica_counts, replica_counts
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,14 @@ class PlacementResult:
 
 def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_nodes: int = 1,
                     current: Any = None, affinity: Any = None, balancedness_floor: float = 0.95,
-                    expert_bytes: float | None = None, tolerance: float = 0.005) -> PlacementResult:
+                    expert_bytes: float | None = None, tolerance: float = 0.005,
+                    max_replicas: int | None = None) -> PlacementResult:
     """[L, E] pairs per expert -> PlacementResult with physical_to_logical_map [L, P].
 
     num_slots defaults to the current plan's P, else E rounded up to a multiple of num_gpus (no
     extra memory). current: [L, P] placement in force. affinity: [L-1, E, E] transition counts
-    (affinity.transitions_from_trace turns a [T, L, k] trace into them). Raises
+    (affinity.transitions_from_trace turns a [T, L, k] trace into them). max_replicas: most slots one
+    expert may hold (None: no cap; the cap rises to ceil(P / E) where the slots need it). Raises
     PlacementShapeError naming the argument at fault.
     """
     load_arr = _load_matrix(load)
@@ -108,6 +112,8 @@ def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_
         raise PlacementShapeError("balancedness_floor", f"must be in (0, 1], got {balancedness_floor}")
     if not 0.0 <= tolerance < 1.0:
         raise PlacementShapeError("tolerance", f"must be in [0, 1), got {tolerance}")
+    if max_replicas is not None and max_replicas < 1:
+        raise PlacementShapeError("max_replicas", f"must be at least 1, got {max_replicas}")
 
     started = time.perf_counter()
     scratch = no_worse_than_least_replication(load_arr, pack(load_arr, replica_counts(load_arr, P), W, N), W, N)
@@ -124,6 +130,8 @@ def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_
     else:
         method = "balanced"
         pmap = scratch
+    if max_replicas is not None:
+        pmap = _cap_replicas(load_arr, pmap, current_arr, W, N, max_replicas)
     solve_seconds = time.perf_counter() - started
 
     before = current_arr if current_arr is not None else contiguous_placement(L, E, P)
@@ -154,6 +162,22 @@ def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_
         solve_seconds=solve_seconds,
         layer_methods=layer_methods,
     )
+
+
+def _cap_replicas(load: np.ndarray, pmap: np.ndarray, current: np.ndarray | None, num_gpus: int, num_nodes: int,
+                  max_replicas: int) -> np.ndarray:
+    """[L, P] placement with every layer that gives an expert more than max_replicas slots re-packed
+    from capped replica counts, aligned to `current` [L, P] when given."""
+    over = np.flatnonzero(replica_counts_of(pmap, load.shape[1]).max(axis=1) > max_replicas)
+    if not over.size:
+        return pmap
+    pmap = np.array(pmap)
+    counts = capped_replica_counts(load[over], pmap.shape[1], max_replicas)
+    repacked = pack(load[over], counts, num_gpus, num_nodes)
+    if current is not None:
+        repacked = align_to_current(repacked, current[over], num_gpus, num_nodes)
+    pmap[over] = repacked
+    return pmap
 
 
 def no_worse_than_least_replication(load: np.ndarray, pmap: np.ndarray, num_gpus: int,

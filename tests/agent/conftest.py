@@ -14,7 +14,7 @@ import pytest
 
 from moewatch import wire
 from moewatch.telemetry import Window
-from moewatch.agent.config import build_config
+from moewatch.agent.config import AgentConfig
 from moewatch.agent.daemon import Daemon
 
 
@@ -163,10 +163,9 @@ def wait_group(daemon, key=("m", "g"), timeout: float = 10.0):
 
 def sglang_settings(**fields):
     """The SGLang settings section from the agent's config, with `fields` (its names, no prefix) set."""
-    from moewatch.agent.config import build_config
-    from moewatch.integrations.sglang import settings_from_flat_config
+    from moewatch.integrations.sglang.settings import SGLangSettings
 
-    return settings_from_flat_config(build_config(flags={f"sglang_{k}": v for k, v in fields.items()}, environ={}))
+    return SGLangSettings(**fields)
 
 
 def scrape(url: str) -> str:
@@ -208,15 +207,17 @@ def short_tmp():
 
 @pytest.fixture
 def start_agent(short_tmp):
-    """start_agent(**settings) -> a started Daemon on temporary paths with fast jobs; stopped after."""
+    """start_agent(**sections) -> a started Daemon on temporary paths with fast jobs; stopped after.
+    Each keyword is a section and its settings, over the test defaults: start_agent(policy={"mode": "act"})."""
     daemons: list[Daemon] = []
 
-    def start(otel_readers=(), **settings) -> Daemon:
-        flags = {"socket": str(short_tmp / "agent.sock"), "listen": "127.0.0.1:0",
-                 "audit_log": str(short_tmp / "audit.jsonl"), "triage_interval_seconds": 0.05,
-                 "plan_interval_seconds": 3600, "export_interval_seconds": 0.2, "persist_windows": 2,
-                 **settings}
-        daemon = Daemon(build_config(flags=flags, environ={}), otel_readers=otel_readers).start()
+    def start(otel_readers=(), **sections) -> Daemon:
+        defaults = {"server": {"socket": str(short_tmp / "agent.sock"), "listen": "127.0.0.1:0"},
+                    "log": {"audit_log": str(short_tmp / "audit.jsonl")},
+                    "jobs": {"triage_interval_seconds": 0.05, "plan_interval_seconds": 3600,
+                             "export_interval_seconds": 0.2},
+                    "policy": {"persist_windows": 2}}
+        daemon = Daemon(AgentConfig.from_mapping(defaults, **sections), otel_readers=otel_readers).start()
         daemons.append(daemon)
         return daemon
 

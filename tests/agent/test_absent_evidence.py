@@ -9,9 +9,10 @@ import subprocess
 import pytest
 
 from moewatch.agent import policy
-from moewatch.agent.config import build_config
+from moewatch.agent.config import AgentConfig
 from moewatch.agent.exporters import GroupExportMemory, MetricsState
 from moewatch.agent.exporters import record_window
+from moewatch.agent.params import from_config
 from moewatch.agent.store import TriagedWindow
 from moewatch.examples import without_evidence
 from moewatch.telemetry import EVIDENCE, OPTIONAL_ARRAYS
@@ -61,9 +62,9 @@ def test_exported_series_follow_the_evidence_window_by_window(helpers):
     assert state.get("moewatch_layer_balancedness_ratio", LAYER0) is not None
 
 
-def cfg(**changes):
-    base = {"mode": "recommend", "persist_windows": 3, "socket": "/tmp/unused.sock", "audit_log": "/tmp/unused.jsonl"}
-    return build_config(flags={**base, **changes}, environ={})
+def cfg(**sections):
+    """The decision parameters of a config in recommend mode with K = 3, each keyword a section over it."""
+    return from_config(AgentConfig.from_mapping({"policy": {"mode": "recommend", "persist_windows": 3}}, **sections))
 
 
 def view(windows):
@@ -74,7 +75,7 @@ def view(windows):
 @pytest.mark.parametrize("mode", ["recommend", "act"])
 def test_policy_recommends_replication_from_expert_load_without_rank_numbers(helpers, mode):
     windows = [TriagedWindow(w, diagnose(w), 0.0) for w in logical_only(helpers)]
-    proposal = policy.decide(view(windows), cfg(mode=mode), now=0.0)
+    proposal = policy.decide(view(windows), cfg(policy={"mode": mode}).policy, now=0.0)
     if mode == "act":
         assert not proposal.has_plan  # without rank load a live change could not be verified
     replicate = [d for d in proposal.decisions if d.kind == "replicate"]
@@ -89,8 +90,8 @@ def test_policy_recommends_replication_from_expert_load_without_rank_numbers(hel
 
 @pytest.mark.slow
 def test_live_agent_marks_missing_evidence_on_metrics(start_agent, helpers):
-    daemon = start_agent(mode="recommend", plan_interval_seconds=0.2, persist_windows=2)
-    rt = helpers.FakeRuntime(daemon.cfg.socket, world_size=W, num_layers=L, num_experts=E, num_slots=P).connect()
+    daemon = start_agent(policy={"mode": "recommend", "persist_windows": 2}, jobs={"plan_interval_seconds": 0.2})
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket, world_size=W, num_layers=L, num_experts=E, num_slots=P).connect()
     group = helpers.wait_group(daemon)
     for w in logical_only(helpers, 3):
         rt.send(w)

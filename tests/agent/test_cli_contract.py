@@ -22,9 +22,9 @@ def start_cli(*args):
 @pytest.mark.slow
 def test_every_startup_or_config_error_is_one_line_and_exit_2(tmp_path):
     latin1 = tmp_path / "latin1.yaml"
-    latin1.write_bytes("mode: observe # caf\xe9\n".encode("latin-1"))
+    latin1.write_bytes("policy:\n  mode: observe # caf\xe9\n".encode("latin-1"))
     twice = tmp_path / "twice.yaml"
-    twice.write_text("mode: observe\nlisten: 127.0.0.1:1\nmode: act\n")
+    twice.write_text("policy:\n  mode: observe\nserver:\n  listen: 127.0.0.1:1\npolicy:\n  mode: act\n")
     twice_nested = tmp_path / "twice-nested.yaml"
     twice_nested.write_text("thresholds:\n  comm_share: 0.4\n  comm_share: 0.6\n")
     port_holder = socket.socket()
@@ -37,20 +37,24 @@ def test_every_startup_or_config_error_is_one_line_and_exit_2(tmp_path):
     live.listen()
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    paths = ["--socket", str(tmp_path / "a.sock"), "--audit-log", str(tmp_path / "audit.jsonl"),
+    paths = ["--socket", str(tmp_path / "a.sock"), "--log.audit-log", str(tmp_path / "audit.jsonl"),
              "--listen", "127.0.0.1:0"]
     cases = {
         "not utf-8": (["--config", str(latin1), "--print-config"], f"{latin1}: not UTF-8 text"),
         "config is a folder": (["--config", str(tmp_path), "--print-config"], f"{tmp_path}: is a folder"),
-        "non-numeric flag": (["--history-windows", "many", "--print-config"], "'--history-windows'"),
+        "non-numeric flag": (["--history.windows", "many", "--print-config"], "'--history.windows'"),
+        "flat flag of old": (["--history-windows", "8", "--print-config"], "--history-windows: moved to --history.windows"),
         "unknown flag": (["--no-such-flag", "--print-config"], "--no-such-flag"),
-        "duplicate key": (["--config", str(twice), "--print-config"], "line 3: key 'mode' is given twice"),
+        "duplicate key": (["--config", str(twice), "--print-config"], "line 5: key 'policy' is given twice"),
         "duplicate nested key": (["--config", str(twice_nested), "--print-config"], "key 'comm_share' is given twice"),
-        "port in use": ([*paths[:4], "--listen", f"127.0.0.1:{port}"], f"listen: 127.0.0.1:{port}: Address already"),
-        "unwritable audit log": ([*paths[:2], "--audit-log", str(a_file / "audit.jsonl"), *paths[4:]],
-                                 f"audit_log: {a_file / 'audit.jsonl'}:"),
-        "socket taken": (["--socket", live_path, *paths[2:]], f"socket: another process is listening on {live_path}"),
-        "tcp port in use": ([*paths, "--tcp-listen", f"127.0.0.1:{port}"], f"tcp_listen: 127.0.0.1:{port}: Address"),
+        "port in use": ([*paths[:4], "--listen", f"127.0.0.1:{port}"],
+                        f"server.listen: 127.0.0.1:{port}: Address already"),
+        "unwritable audit log": ([*paths[:2], "--log.audit-log", str(a_file / "audit.jsonl"), *paths[4:]],
+                                 f"log.audit_log: {a_file / 'audit.jsonl'}:"),
+        "socket taken": (["--socket", live_path, *paths[2:]],
+                         f"server.socket: another process is listening on {live_path}"),
+        "tcp port in use": ([*paths, "--server.tcp-listen", f"127.0.0.1:{port}"],
+                            f"server.tcp_listen: 127.0.0.1:{port}: Address"),
     }
     procs = {name: start_cli(*args) for name, (args, _) in cases.items()}
     try:

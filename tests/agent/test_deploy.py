@@ -84,10 +84,11 @@ def test_kubernetes_example_validates_and_wires_a_native_sidecar(tmp_path):
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9477"
     # HTTPS with basic auth: the files the config names are mounted from Secrets; probes speak HTTPS.
     cfg = build_config(flags=None, environ={}, config_path=str(tmp_path / "agent.yaml"))
-    assert cfg.tls_cert_file and cfg.basic_auth_user and pod["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+    assert cfg.server.tls_cert_file and cfg.server.basic_auth_user
+    assert pod["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
     mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
     secrets = {v["name"] for v in pod["spec"]["volumes"] if "secret" in v}
-    for path in (cfg.tls_cert_file, cfg.tls_key_file, cfg.basic_auth_password_file):
+    for path in (cfg.server.tls_cert_file, cfg.server.tls_key_file, cfg.server.basic_auth_password_file):
         assert any(path.startswith(mounts[name] + "/") for name in secrets), path
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert sidecar[probe]["httpGet"]["scheme"] == "HTTPS"
@@ -105,7 +106,7 @@ def _write(path: Path, text: str) -> str:
 
 def test_example_config_is_valid():
     cfg = build_config(str(DEPLOY / "agent.yaml"), environ={})
-    assert cfg.mode == "observe" and cfg.listen == "127.0.0.1:9477"
+    assert cfg.policy.mode == "observe" and cfg.server.listen == "127.0.0.1:9477"
 
 
 def test_sidecar_image_installs_without_torch():

@@ -69,8 +69,8 @@ def test_one_agent_per_group_on_the_leader_and_a_rendezvous_every_node_reaches(t
     cfg = build_config(flags=None, environ={}, config_path=str(agent_yaml))
     inference = pod["containers"][0]
     env = {e["name"]: e.get("value") for e in inference["env"]}
-    assert env["MOEWATCH_SOCKET"] == cfg.socket
-    socket_dir = str(Path(cfg.socket).parent)
+    assert env["MOEWATCH_SOCKET"] == cfg.server.socket
+    socket_dir = str(Path(cfg.server.socket).parent)
     for container in (sidecar, inference):
         assert any(m["mountPath"] == socket_dir and m["name"] == "moewatch-socket" for m in container["volumeMounts"])
     assert leader["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9477"

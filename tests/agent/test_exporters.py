@@ -19,7 +19,7 @@ def drive(daemon, helpers, n_windows=3):
     """Windows of every verdict's scenario into one group, plus a rejected frame and a heartbeat."""
     from moewatch import wire
 
-    rt = helpers.FakeRuntime(daemon.cfg.socket, world_size=4, num_layers=4, num_experts=16, num_slots=16,
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket, world_size=4, num_layers=4, num_experts=16, num_slots=16,
                              model="example", ep_group="example").connect()
     group = helpers.wait_group(daemon, ("example", "example"))
     names = ["imbalance-hot-experts", "comm-bound-volume", "overflow"][:n_windows]
@@ -35,7 +35,7 @@ def drive(daemon, helpers, n_windows=3):
 
 
 def test_live_metrics_match_the_catalogue_and_pass_promtool(start_agent, helpers):
-    daemon = start_agent(expert_metrics=True, expert_series_cap=20)
+    daemon = start_agent(exporters={"expert_metrics": True, "expert_series_cap": 20})
     drive(daemon, helpers)
     assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_frames_rejected_total", ("malformed",)) == 1)
     text = helpers.scrape(daemon.http_url)
@@ -118,8 +118,8 @@ def test_otlp_push_when_an_endpoint_is_configured(start_agent, helpers):
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        daemon = start_agent(otlp_endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/metrics",
-                             otlp_interval_seconds=1)
+        daemon = start_agent(exporters={"otlp_endpoint": f"http://127.0.0.1:{server.server_address[1]}/v1/metrics",
+                                        "otlp_interval_seconds": 1})
         drive(daemon, helpers, 1)
         assert helpers.wait_for(lambda: any(b"moewatch_layer_balancedness_ratio" in r[2] for r in received),
                                 timeout=15)

@@ -63,8 +63,8 @@ def test_agent_process_notifies_systemd_and_stops_cleanly_on_sigterm(short_tmp):
     sink.settimeout(30)
     audit = short_tmp / "state" / "audit.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEWATCH_")}
-    env.update({"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "500000", "MOEWATCH_LISTEN": "127.0.0.1:0",
-                "MOEWATCH_SOCKET": str(short_tmp / "agent.sock"), "MOEWATCH_AUDIT_LOG": str(audit)})
+    env.update({"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "500000", "MOEWATCH_SERVER__LISTEN": "127.0.0.1:0",
+                "MOEWATCH_SERVER__SOCKET": str(short_tmp / "agent.sock"), "MOEWATCH_LOG__AUDIT_LOG": str(audit)})
     proc = subprocess.Popen([sys.executable, "-m", "moewatch.cli", "agent"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

@@ -17,7 +17,7 @@ import pytest
 
 from moewatch import wire
 from moewatch.agent.audit import AuditLog, read_audit
-from moewatch.agent.config import build_config
+from moewatch.agent.config import AgentConfig, build_config
 from moewatch.agent.daemon import Daemon, StartupError
 from moewatch.plan import Plan
 
@@ -36,7 +36,7 @@ def feed(rt, helpers, n, start, epoch=0, pmap=None):
 
 
 def runtime(helpers, daemon, pid=0, epoch=0, **kw):
-    rt = helpers.FakeRuntime(daemon.cfg.socket, epoch=epoch, **kw)
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket, epoch=epoch, **kw)
     rt.hello = dataclasses.replace(rt.hello, pid=pid)
     return rt
 
@@ -51,8 +51,8 @@ def runtime(helpers, daemon, pid=0, epoch=0, **kw):
 ])
 def test_impossible_or_oversized_hello_is_rejected_with_a_reason(start_agent, helpers, sizes, reason):
     # The configured limit only where the case needs it: the others fail on an agent without limits.
-    daemon = start_agent(**({"max_num_experts": 8} if "num_experts" in sizes else {}))
-    rt = helpers.FakeRuntime(daemon.cfg.socket, **sizes)
+    daemon = start_agent(**({"limits": {"max_num_experts": 8}} if "num_experts" in sizes else {}))
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket, **sizes)
     rt.connect()
     assert helpers.wait_for(lambda: rejected(daemon, reason) == 1)
     assert daemon.store.get(("m", "g")) is None
@@ -60,7 +60,7 @@ def test_impossible_or_oversized_hello_is_rejected_with_a_reason(start_agent, he
 
 def test_top_k_above_num_experts_is_invalid_window_not_oversized(start_agent, helpers):
     daemon = start_agent()
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     helpers.wait_group(daemon)
     blob = helpers.make_window(helpers.hot_load(L, E), helpers.contiguous(L, E, P), W).to_bytes()
     blob = blob.replace(b'"top_k":2,', b'"top_k":9,')  # the same length: only the header changes
@@ -70,13 +70,13 @@ def test_top_k_above_num_experts_is_invalid_window_not_oversized(start_agent, he
 
 
 def test_a_group_whose_plan_job_fails_does_not_stop_the_others(start_agent, helpers):
-    daemon = start_agent(mode="recommend")
+    daemon = start_agent(policy={"mode": "recommend"})
     # A group whose state breaks the planner (as a zero world_size did before hellos were checked),
     # put in the store directly: the hello gate would refuse it now.
     broken = daemon.store.get_or_create(("broken", "g"))
     broken.on_hello(wire.Hello(runtime="x", model="broken", ep_group="g", world_size=0, num_layers=L,
                                num_experts=E, num_slots=P), connection_id=-1)
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     group = helpers.wait_group(daemon)
     feed(rt, helpers, 3, 1000.0)
     assert helpers.wait_for(lambda: len(group.history) == 3)
@@ -84,7 +84,7 @@ def test_a_group_whose_plan_job_fails_does_not_stop_the_others(start_agent, help
     broken.history.extend(group.history)
     daemon.plan_job()
     assert daemon.metrics.get("moewatch_job_errors_total", ("plan",)) >= 1
-    events = [r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "decision"]
+    events = [r for r in read_audit(daemon.cfg.log.audit_log) if r["event"] == "decision"]
     assert any(r["model"] == "m" for r in events)
 
 
@@ -92,12 +92,12 @@ def test_a_group_whose_plan_job_fails_does_not_stop_the_others(start_agent, help
 
 @pytest.mark.slow
 def test_idle_connections_cost_no_threads_and_the_limit_refuses_and_counts(start_agent, helpers):
-    daemon = start_agent(max_connections=150)
+    daemon = start_agent(limits={"max_connections": 150})
     before = threading.active_count()
     socks = []
     for _ in range(200):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(daemon.cfg.socket)
+        s.connect(daemon.cfg.server.socket)
         socks.append(s)
     try:
         refused = lambda: daemon.metrics.get("moewatch_connections_refused_total", ("max_connections",))  # noqa: E731
@@ -108,7 +108,7 @@ def test_idle_connections_cost_no_threads_and_the_limit_refuses_and_counts(start
         for s in socks[:10]:
             s.close()
         assert helpers.wait_for(lambda: len(daemon.receiver.connections()) == 140)
-        rt = helpers.FakeRuntime(daemon.cfg.socket, model="late").connect()
+        rt = helpers.FakeRuntime(daemon.cfg.server.socket, model="late").connect()
         helpers.wait_group(daemon, ("late", "g"))
         rt.close()
     finally:
@@ -117,8 +117,8 @@ def test_idle_connections_cost_no_threads_and_the_limit_refuses_and_counts(start
 
 
 def test_a_frame_that_stalls_is_cut_at_the_deadline(start_agent, helpers):
-    daemon = start_agent(frame_deadline_seconds=0.3)
-    slow = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    daemon = start_agent(limits={"frame_deadline_seconds": 0.3})
+    slow = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     slow.send_raw(wire.HEADER.pack(wire.MAGIC, wire.PROTOCOL_VERSION, int(wire.FrameType.HEARTBEAT), 1000) + b"{")
     assert helpers.wait_for(lambda: rejected(daemon, "frame_deadline") == 1)
     assert slow.closed_by_peer()
@@ -126,12 +126,12 @@ def test_a_frame_that_stalls_is_cut_at_the_deadline(start_agent, helpers):
 
 
 def test_partial_frames_across_connections_stay_within_the_byte_budget(start_agent, helpers):
-    daemon = start_agent(max_frame_bytes=1 << 20, buffer_budget_bytes=2 << 20)
+    daemon = start_agent(limits={"max_frame_bytes": 1 << 20, "buffer_budget_bytes": 2 << 20})
     header = wire.HEADER.pack(wire.MAGIC, wire.PROTOCOL_VERSION, int(wire.FrameType.WINDOW), (1 << 20) - 1)
     peers = []
     for _ in range(4):  # each declares a 1 MiB frame and sends 700 KiB of it
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(daemon.cfg.socket)
+        s.connect(daemon.cfg.server.socket)
         try:
             s.sendall(header + b"\0" * (700 << 10))
         except (BrokenPipeError, ConnectionResetError):
@@ -147,8 +147,8 @@ def test_partial_frames_across_connections_stay_within_the_byte_budget(start_age
 
 
 def test_a_runtime_that_does_not_read_is_disconnected_and_never_blocks_the_agent(start_agent, helpers):
-    daemon = start_agent(max_outbox_bytes=64 << 10)
-    deaf = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    daemon = start_agent(limits={"max_outbox_bytes": 64 << 10})
+    deaf = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     deaf.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     helpers.wait_group(daemon)
     conn = daemon.connection_of(("m", "g"))
@@ -160,7 +160,7 @@ def test_a_runtime_that_does_not_read_is_disconnected_and_never_blocks_the_agent
         lambda: daemon.metrics.get("moewatch_connections_closed_total", ("slow_reader",)) == 1)
     assert helpers.wait_for(lambda: not daemon.store.get(("m", "g")).connected)
     # Another group is served all along.
-    other = helpers.FakeRuntime(daemon.cfg.socket, model="other").connect()
+    other = helpers.FakeRuntime(daemon.cfg.server.socket, model="other").connect()
     group = helpers.wait_group(daemon, ("other", "g"))
     feed(other, helpers, 1, 1000.0)
     assert helpers.wait_for(lambda: len(group.history) == 1)
@@ -168,7 +168,7 @@ def test_a_runtime_that_does_not_read_is_disconnected_and_never_blocks_the_agent
 
 
 def test_tcp_listener_speaks_the_same_frames(start_agent, helpers):
-    daemon = start_agent(tcp_listen="127.0.0.1:0")
+    daemon = start_agent(server={"tcp_listen": "127.0.0.1:0"})
     s = socket.create_connection(("127.0.0.1", daemon.receiver.tcp_port), timeout=5)
     hello = wire.Hello(runtime="tcp", model="m", ep_group="g", world_size=W, num_layers=L, num_experts=E,
                        num_slots=P, ranks_per_node=W)
@@ -190,17 +190,17 @@ def test_tcp_listener_speaks_the_same_frames(start_agent, helpers):
 def test_tcp_listen_is_loopback_unless_named_and_validated_at_the_edge():
     from moewatch.thresholds import ConfigError
 
-    assert build_config(environ={}, flags={"tcp_listen": "7071"}).tcp_listen == "127.0.0.1:7071"
-    assert build_config(environ={}).tcp_listen == ""
-    with pytest.raises(ConfigError, match="^tcp_listen: port 'x' is not a number"):
-        build_config(environ={}, flags={"tcp_listen": "127.0.0.1:x"})
+    assert build_config(environ={}, flags={"server.tcp_listen": "7071"}).server.tcp_listen == "127.0.0.1:7071"
+    assert build_config(environ={}).server.tcp_listen == ""
+    with pytest.raises(ConfigError, match="^server.tcp_listen: port 'x' is not a number"):
+        build_config(environ={}, flags={"server.tcp_listen": "127.0.0.1:x"})
 
 
 # --- Build 4: group lifecycle -----------------------------------------------------------------------
 
 def test_groups_whose_runtime_left_are_retired_and_their_series_removed(start_agent, helpers):
-    daemon = start_agent(group_retire_seconds=0.3, max_groups=1)
-    rt = helpers.FakeRuntime(daemon.cfg.socket, model="gone").connect()
+    daemon = start_agent(limits={"group_retire_seconds": 0.3, "max_groups": 1})
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket, model="gone").connect()
     group = helpers.wait_group(daemon, ("gone", "g"))
     feed(rt, helpers, 1, 1000.0)
     assert helpers.wait_for(lambda: len(group.history) == 1)
@@ -210,14 +210,14 @@ def test_groups_whose_runtime_left_are_retired_and_their_series_removed(start_ag
     assert 'model="gone"' not in helpers.scrape(daemon.http_url)
     assert daemon.metrics.get("moewatch_groups_retired_total", ()) == 1
     # The slot is free again: a new group is not refused as too_many_groups.
-    helpers.FakeRuntime(daemon.cfg.socket, model="new").connect()
+    helpers.FakeRuntime(daemon.cfg.server.socket, model="new").connect()
     helpers.wait_group(daemon, ("new", "g"))
     assert rejected(daemon, "too_many_groups") == 0
-    assert "group_retired" in [r["event"] for r in read_audit(daemon.cfg.audit_log)]
+    assert "group_retired" in [r["event"] for r in read_audit(daemon.cfg.log.audit_log)]
 
 
 def test_a_runtime_restarted_during_verification_gets_a_new_lineage_and_the_policy_acts_again(start_agent, helpers):
-    daemon = start_agent(mode="act", verify_windows=3)
+    daemon = start_agent(policy={"mode": "act"}, verify={"windows": 3})
     old = runtime(helpers, daemon, pid=100).connect()
     group = helpers.wait_group(daemon)
     feed(old, helpers, 2, 1000.0)
@@ -231,7 +231,7 @@ def test_a_runtime_restarted_during_verification_gets_a_new_lineage_and_the_poli
     assert helpers.wait_for(lambda: not group.connected)
     new = runtime(helpers, daemon, pid=200, epoch=0).connect()
     assert helpers.wait_for(lambda: daemon.controller.control(group.key).verifying is None)
-    abandoned = [r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "plan_abandoned"]
+    abandoned = [r for r in read_audit(daemon.cfg.log.audit_log) if r["event"] == "plan_abandoned"]
     assert len(abandoned) == 1 and abandoned[0]["epoch"] == plan.epoch
     # The old lineage's windows do not count: one window of the new runtime is not K=2 of them.
     feed(new, helpers, 1, 2000.0)
@@ -269,13 +269,13 @@ def test_reconnects_do_not_inflate_the_runtime_dropped_frames(start_agent, helpe
 
 def test_a_second_agent_on_the_same_socket_refuses_and_leaves_the_live_one_alone(start_agent, helpers, short_tmp):
     first = start_agent()
-    second = Daemon(build_config(environ={}, flags={"socket": first.cfg.socket, "listen": "127.0.0.1:0",
-                                                    "audit_log": str(short_tmp / "audit2.jsonl")}))
+    second = Daemon(AgentConfig.from_mapping({"server": {"socket": first.cfg.server.socket, "listen": "127.0.0.1:0"},
+                                              "log": {"audit_log": str(short_tmp / "audit2.jsonl")}}))
     with pytest.raises(StartupError, match="another process is listening"):
         second.start()
     second.stop(quiet=True)
-    assert stat.S_ISSOCK(os.lstat(first.cfg.socket).st_mode)
-    helpers.FakeRuntime(first.cfg.socket).connect()
+    assert stat.S_ISSOCK(os.lstat(first.cfg.server.socket).st_mode)
+    helpers.FakeRuntime(first.cfg.server.socket).connect()
     helpers.wait_group(first)
 
 
@@ -304,8 +304,8 @@ def test_audit_log_refuses_a_symlink_and_resets_a_wide_mode(tmp_path):
 # --- Logs under attack --------------------------------------------------------------------------------
 
 def test_a_flood_of_bad_frames_is_counted_but_logged_once_per_reason(start_agent, helpers, caplog):
-    daemon = start_agent(log_interval_seconds=3600)
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    daemon = start_agent(log={"interval_seconds": 3600})
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     helpers.wait_group(daemon)
     bad = b"MW\x01\x05\x02\x00\x00\x00{]"
     with caplog.at_level(logging.INFO, logger="moewatch.agent"):

@@ -41,8 +41,8 @@ def get(url, context=None, auth=None):
 def test_https_and_basic_auth_guard_metrics_while_probes_stay_open(start_agent, short_tmp):
     cert, key = self_signed(short_tmp)
     (short_tmp / "password").write_text("s3cret\n")
-    daemon = start_agent(tls_cert_file=str(cert), tls_key_file=str(key), basic_auth_user="prometheus",
-                         basic_auth_password_file=str(short_tmp / "password"))
+    daemon = start_agent(server={"tls_cert_file": str(cert), "tls_key_file": str(key), "basic_auth_user": "prometheus",
+                                 "basic_auth_password_file": str(short_tmp / "password")})
     assert daemon.http_url.startswith("https://")
     ctx = ssl.create_default_context(cafile=str(cert))
     assert get(daemon.http_url + "/metrics", ctx)[0] == 401
@@ -60,23 +60,23 @@ def test_https_and_basic_auth_guard_metrics_while_probes_stay_open(start_agent, 
 
 
 def test_tls_files_that_do_not_load_name_the_setting(short_tmp):
-    from moewatch.agent.config import build_config
+    from moewatch.agent.config import AgentConfig
     from moewatch.agent.daemon import Daemon, StartupError
 
     (short_tmp / "bad.pem").write_text("not a certificate\n")
-    cfg = build_config(environ={}, flags={"socket": str(short_tmp / "a.sock"), "listen": "127.0.0.1:0",
-                                          "audit_log": str(short_tmp / "audit.jsonl"),
-                                          "tls_cert_file": str(short_tmp / "bad.pem"),
-                                          "tls_key_file": str(short_tmp / "bad.pem")})
+    cfg = AgentConfig.from_mapping({"server": {"socket": str(short_tmp / "a.sock"), "listen": "127.0.0.1:0",
+                                               "tls_cert_file": str(short_tmp / "bad.pem"),
+                                               "tls_key_file": str(short_tmp / "bad.pem")},
+                                    "log": {"audit_log": str(short_tmp / "audit.jsonl")}})
     daemon = Daemon(cfg)
-    with pytest.raises(StartupError, match="^tls_cert_file: "):
+    with pytest.raises(StartupError, match="^server.tls_cert_file: "):
         daemon.start()
     daemon.stop(quiet=True)
     assert not (short_tmp / "a.sock").exists()
 
 
 def test_http_connections_are_bounded_and_idle_ones_closed(start_agent, helpers):
-    daemon = start_agent(max_http_connections=2, http_idle_seconds=0.5)
+    daemon = start_agent(server={"max_http_connections": 2, "http_idle_seconds": 0.5})
     idle = [socket.create_connection(("127.0.0.1", daemon.web.port)) for _ in range(5)]
     refused = lambda: daemon.metrics.get("moewatch_connections_refused_total", ("http_max_connections",))  # noqa
     assert helpers.wait_for(lambda: refused() == 3)
@@ -91,12 +91,12 @@ def test_http_connections_are_bounded_and_idle_ones_closed(start_agent, helpers)
 
 AGENT_UNDER_FD_LIMIT = textwrap.dedent("""
     import os, resource, sys, time
-    from moewatch.agent.config import build_config
+    from moewatch.agent.config import AgentConfig
     from moewatch.agent.daemon import Daemon
     folder = sys.argv[2]
-    daemon = Daemon(build_config(environ={}, flags={"socket": folder + "/a.sock", "listen": "127.0.0.1:0",
-                                                    "audit_log": folder + "/audit.jsonl",
-                                                    "log_interval_seconds": 3600})).start()
+    daemon = Daemon(AgentConfig.from_mapping({"server": {"socket": folder + "/a.sock", "listen": "127.0.0.1:0"},
+                                              "log": {"audit_log": folder + "/audit.jsonl",
+                                                      "interval_seconds": 3600}})).start()
     # Leave the process a handful of descriptors, as a low LimitNOFILE with busy peers would.
     used = len(os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (used + 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

@@ -36,7 +36,8 @@ def mean_balancedness(windows):
 @pytest.mark.slow
 def test_agent_with_the_reference_runtime(start_agent, short_tmp, helpers):
     socket_path = str(short_tmp / "agent.sock")
-    observe = start_agent(mode="observe", plan_interval_seconds=0.2, audit_log=str(short_tmp / "observe.jsonl"))
+    observe = start_agent(policy={"mode": "observe"}, jobs={"plan_interval_seconds": 0.2},
+                          log={"audit_log": str(short_tmp / "observe.jsonl")})
     runtime = subprocess.Popen([sys.executable, "-m", "moewatch.cli", "runtime", "--socket", socket_path, *RUNTIME],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -60,7 +61,7 @@ def test_agent_with_the_reference_runtime(start_agent, short_tmp, helpers):
                                     cause="hot-experts") == 1
         lint = subprocess.run(["/usr/bin/promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert lint.returncode == 0 and not (lint.stdout + lint.stderr).strip(), lint.stdout + lint.stderr
-        assert not [r for r in read_audit(observe.cfg.audit_log) if r["event"] == "plan_sent"]
+        assert not [r for r in read_audit(observe.cfg.log.audit_log) if r["event"] == "plan_sent"]
         assert all(t.window.epoch == 0 for t in group.recent())
         observe.stop()
 
@@ -68,12 +69,13 @@ def test_agent_with_the_reference_runtime(start_agent, short_tmp, helpers):
         # Verification here judges by balancedness only: per-step time over two 10-step windows of two
         # gloo ranks on shared CPU cores swings by +-30 % (it once rolled back the good plan at +26 %).
         # The time criterion is tested with controlled windows in test_policy.py.
-        act = start_agent(mode="act", plan_interval_seconds=0.3, persist_windows=2, verify_windows=2,
-                          cooldown_seconds=1, rollback_time_rise=100.0, audit_log=str(short_tmp / "act.jsonl"))
+        act = start_agent(policy={"mode": "act", "persist_windows": 2, "cooldown_seconds": 1},
+                          jobs={"plan_interval_seconds": 0.3}, verify={"windows": 2, "rollback_time_rise": 100.0},
+                          log={"audit_log": str(short_tmp / "act.jsonl")})
         group = helpers.wait_group(act, ("moewatch-ref", "ep0"), timeout=30)
         assert helpers.wait_for(lambda: any(r["event"] in ("verified", "rollback")
-                                            for r in read_audit(act.cfg.audit_log)), timeout=40)
-        records = read_audit(act.cfg.audit_log)
+                                            for r in read_audit(act.cfg.log.audit_log)), timeout=40)
+        records = read_audit(act.cfg.log.audit_log)
         sent = next(r for r in records if r["event"] == "plan_sent")
         applied = next(r for r in records if r["event"] == "plan_applied")
         assert applied["epoch"] == sent["epoch"] >= 1 and "replicate" in sent["kinds"]
@@ -97,7 +99,7 @@ def test_agent_with_the_reference_runtime(start_agent, short_tmp, helpers):
         bad = act.controller.submit(group, bad_map, np.zeros(2), "test: the old placement back")
         assert bad is not None and bad.epoch == epoch + 1
         assert helpers.wait_for(lambda: act.metrics.get("moewatch_rollbacks_total", group.key) == 1, timeout=40)
-        records = read_audit(act.cfg.audit_log)
+        records = read_audit(act.cfg.log.audit_log)
         rollback = next(r for r in records if r["event"] == "rollback")
         assert rollback["epoch"] == bad.epoch and rollback["layers"]
         rolled = next(r for r in records if r["event"] == "rolled_back")

@@ -25,7 +25,7 @@ def hot_group(start_agent, helpers, windows=2, **settings):
     """An agent with a fake runtime whose group has seen `windows` windows with a hot expert 0 on the
     contiguous placement: (daemon, runtime, group, load, placement)."""
     daemon = start_agent(**settings)
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     group = helpers.wait_group(daemon)
     load, old = helpers.hot_load(L, E), helpers.contiguous(L, E, P)
     feed(rt, helpers, load, old, windows, 1000.0)
@@ -34,7 +34,7 @@ def hot_group(start_agent, helpers, windows=2, **settings):
 
 
 def test_act_replicates_acks_verifies_and_audits(start_agent, helpers):
-    daemon, rt, group, load, old = hot_group(start_agent, helpers, mode="act", verify_windows=2)
+    daemon, rt, group, load, old = hot_group(start_agent, helpers, policy={"mode": "act"}, verify={"windows": 2})
     assert all(d.verdict == "imbalance-bound" and d.cause == "hot-experts" for d in group.latest().diagnosis.layers)
     daemon.controller.plan_tick()
     plan = rt.wait_plan()
@@ -51,12 +51,12 @@ def test_act_replicates_acks_verifies_and_audits(start_agent, helpers):
     before = np.mean([d.metrics["balancedness"] for d in group.recent(epoch=0)[-1].diagnosis.layers])
     assert after > before + 0.1
     assert daemon.metrics.get("moewatch_actions_total", ("m", "g", "replicate", "applied")) == 2
-    events = [r["event"] for r in read_audit(daemon.cfg.audit_log)]
+    events = [r["event"] for r in read_audit(daemon.cfg.log.audit_log)]
     assert events[:4] == ["decision", "decision", "plan_sent", "plan_applied"]
     assert "verified" in events
-    sent = next(r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "plan_sent")
+    sent = next(r for r in read_audit(daemon.cfg.log.audit_log) if r["event"] == "plan_sent")
     assert sent["epoch"] == 1 and sent["kinds"] == ["replicate"]
-    decision = next(r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "decision")
+    decision = next(r for r in read_audit(daemon.cfg.log.audit_log) if r["event"] == "decision")
     assert decision["before"]["model_balancedness"] < decision["after"]["model_balancedness"]
     text = helpers.scrape(daemon.http_url)
     assert helpers.sample_value(text, "moewatch_actions_total", kind="replicate", result="applied") == 2
@@ -64,7 +64,7 @@ def test_act_replicates_acks_verifies_and_audits(start_agent, helpers):
 
 
 def test_bad_plan_is_rolled_back_with_a_new_epoch(start_agent, helpers):
-    daemon, rt, group, load, old = hot_group(start_agent, helpers, mode="act", verify_windows=2)
+    daemon, rt, group, load, old = hot_group(start_agent, helpers, policy={"mode": "act"}, verify={"windows": 2})
     bad = old.copy()
     bad[0] = [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 1, 2]  # three replicas of the hot expert on one GPU
     sent = daemon.controller.submit(group, bad, np.zeros(L), "operator plan for the test")
@@ -79,7 +79,7 @@ def test_bad_plan_is_rolled_back_with_a_new_epoch(start_agent, helpers):
     rt.send(wire.Ack(plan_epoch=2, epoch_in_force=2, ok=True))
     assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_rollbacks_total", ("m", "g")) == 1)
     assert daemon.metrics.get("moewatch_actions_total", ("m", "g", "placement", "rolled_back")) == 1
-    records = read_audit(daemon.cfg.audit_log)
+    records = read_audit(daemon.cfg.log.audit_log)
     rb = next(r for r in records if r["event"] == "rollback")
     assert rb["layers"] == [0] and "old placement" in rb["reason"]
     assert rb["numbers"]["0"]["balancedness_after"] < rb["numbers"]["0"]["balancedness_old_map_same_load"]
@@ -87,30 +87,31 @@ def test_bad_plan_is_rolled_back_with_a_new_epoch(start_agent, helpers):
 
 
 def test_refused_plan_counts_as_failed(start_agent, helpers):
-    daemon, rt, group, _, _ = hot_group(start_agent, helpers, mode="act")
+    daemon, rt, group, _, _ = hot_group(start_agent, helpers, policy={"mode": "act"})
     daemon.controller.plan_tick()
     plan = rt.wait_plan()
     rt.send(wire.Ack(plan_epoch=plan.epoch, epoch_in_force=0, ok=False, error="migration failed on rank 2"))
     assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_actions_total", ("m", "g", "replicate", "failed")) == 2)
     assert daemon.controller.control(group.key).in_flight is None
-    failed = next(r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "plan_failed")
+    failed = next(r for r in read_audit(daemon.cfg.log.audit_log) if r["event"] == "plan_failed")
     assert "rank 2" in failed["error"]
 
 
 def test_observe_mode_never_sends_a_plan(start_agent, helpers):
-    daemon, rt, group, _, _ = hot_group(start_agent, helpers, windows=4, mode="observe", plan_interval_seconds=0.1)
+    daemon, rt, group, _, _ = hot_group(start_agent, helpers, windows=4, policy={"mode": "observe"},
+                                        jobs={"plan_interval_seconds": 0.1})
     daemon.controller.plan_tick()
     assert rt.recv(timeout=1.0) == []
     assert all(d.verdict == "imbalance-bound" for d in group.latest().diagnosis.layers)
-    assert not [r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "plan_sent"]
+    assert not [r for r in read_audit(daemon.cfg.log.audit_log) if r["event"] == "plan_sent"]
 
 
 def test_recommend_mode_records_without_sending(start_agent, helpers):
-    daemon, rt, group, _, _ = hot_group(start_agent, helpers, mode="recommend")
+    daemon, rt, group, _, _ = hot_group(start_agent, helpers, policy={"mode": "recommend"})
     daemon.controller.plan_tick()
     assert rt.recv(timeout=0.5) == []
     assert daemon.metrics.get("moewatch_actions_total", ("m", "g", "replicate", "recommended")) == 2
-    assert {r["result"] for r in read_audit(daemon.cfg.audit_log) if r["event"] == "decision"} == {"recommended"}
+    assert {r["result"] for r in read_audit(daemon.cfg.log.audit_log) if r["event"] == "decision"} == {"recommended"}
 
 
 def test_sglang_actuator_writes_location_and_runs_command(short_tmp, helpers):

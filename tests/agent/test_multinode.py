@@ -86,14 +86,14 @@ def result_of(tmp: Path) -> dict:
 
 @pytest.mark.slow
 def test_two_torchrun_nodes_get_a_node_aware_plan_applied_live(start_agent, short_tmp, helpers):
-    agent = start_agent(mode="act", plan_interval_seconds=0.3, persist_windows=2, verify_windows=2,
-                        cooldown_seconds=1, rollback_time_rise=100.0, max_plans_per_hour=1)
+    agent = start_agent(policy={"mode": "act", "persist_windows": 2, "cooldown_seconds": 1, "max_plans_per_hour": 1},
+                        jobs={"plan_interval_seconds": 0.3}, verify={"windows": 2, "rollback_time_rise": 100.0})
     nodes = start_nodes(short_tmp, *RUNTIME, "--steps", "0", "--seconds", "120",
-                        "--socket", agent.cfg.socket, "--collective-timeout", str(COLLECTIVE_TIMEOUT))
+                        "--socket", agent.cfg.server.socket, "--collective-timeout", str(COLLECTIVE_TIMEOUT))
     try:
         group = helpers.wait_group(agent, ("moewatch-ref", "ep0"), timeout=60)
         assert group.hello.world_size == 2 and group.hello.ranks_per_node == 1
-        audit = agent.cfg.audit_log
+        audit = agent.cfg.log.audit_log
         assert helpers.wait_for(lambda: any(r["event"] in ("verified", "rollback", "plan_failed")
                                             for r in read_audit(audit)), timeout=60), read_audit(audit)
         records = read_audit(audit)
@@ -148,11 +148,11 @@ def test_a_node_lost_mid_migration_leaves_the_survivor_on_the_old_placement(star
                                                                              fate, timeout):
     """killed: node 1's processes are SIGKILLed while rank 0 waits on them for weights (gloo sees the
     connection close). hung: node 1 stays up but never answers; the collective timeout ends the wait."""
-    agent = start_agent(mode="act", plan_interval_seconds=0.3, persist_windows=2, cooldown_seconds=1,
-                        max_plans_per_hour=1)
+    agent = start_agent(policy={"mode": "act", "persist_windows": 2, "cooldown_seconds": 1, "max_plans_per_hour": 1},
+                        jobs={"plan_interval_seconds": 0.3})
     marker = short_tmp / "stalled"
     stall = json.dumps({"rank": 1, "epoch": 1, "stage": "stall", "marker": str(marker)})
-    nodes = start_nodes(short_tmp, *RUNTIME, "--steps", "0", "--seconds", "120", "--socket", agent.cfg.socket,
+    nodes = start_nodes(short_tmp, *RUNTIME, "--steps", "0", "--seconds", "120", "--socket", agent.cfg.server.socket,
                         "--collective-timeout", str(timeout), "--inject-migration-failure", stall)
     try:
         group = helpers.wait_group(agent, ("moewatch-ref", "ep0"), timeout=60)
@@ -174,10 +174,10 @@ def test_a_node_lost_mid_migration_leaves_the_survivor_on_the_old_placement(star
     assert "rank 0: the EP group lost a peer" in err and "placement of epoch 0 kept" in err, err[-3000:]
     # The agent got the failed Ack, saw the group go, kept its epoch, and still serves other groups.
     assert helpers.wait_for(lambda: any(r["event"] == "plan_failed" and r["epoch"] == 1
-                                        for r in read_audit(agent.cfg.audit_log)), timeout=10)
+                                        for r in read_audit(agent.cfg.log.audit_log)), timeout=10)
     assert helpers.wait_for(lambda: not group.connected, timeout=10)
     assert group.epoch_in_force == 0
-    other = helpers.FakeRuntime(agent.cfg.socket, model="other", ep_group="g2").connect()
+    other = helpers.FakeRuntime(agent.cfg.server.socket, model="other", ep_group="g2").connect()
     try:
         load, pmap = helpers.hot_load(2, 8), helpers.contiguous(2, 8, 12)
         other.send(helpers.make_window(load, pmap, 4, model="other", ep_group="g2"))

@@ -148,4 +148,4 @@ def test_two_engines_asking_to_steer_is_refused_at_start(toy_engine, start_agent
 
     with pytest.raises(StartupError, match="^actuator: only one engine's actuator can steer the agent's plans, "
                                            "asked: sglang, toy$"):
-        start_agent(mode="act", actuator="sglang", sglang_location_file=str(short_tmp / "loc.json"))
+        start_agent(policy={"mode": "act"}, sglang={"actuate": True, "location_file": str(short_tmp / "loc.json")})

@@ -9,8 +9,9 @@ import pytest
 
 from moewatch import topology
 from moewatch.agent import policy
-from moewatch.agent.config import build_config
+from moewatch.agent.config import AgentConfig
 from moewatch.agent.exporters import GroupExportMemory, MetricsState, record_window
+from moewatch.agent.params import from_config
 from moewatch.agent.store import TriagedWindow
 from moewatch.planner import metrics as pm
 from moewatch.triage import diagnose
@@ -19,9 +20,9 @@ W, L, E, P = 4, 2, 8, 12  # 2 nodes of 2 ranks
 HOT = 5
 
 
-def cfg(**changes):
-    base = {"mode": "act", "persist_windows": 3, "socket": "/tmp/unused.sock", "audit_log": "/tmp/unused.jsonl"}
-    return build_config(flags={**base, **changes}, environ={})
+def cfg(**sections):
+    """The decision parameters of a config in act mode with K = 3, each keyword a section over it."""
+    return from_config(AgentConfig.from_mapping({"policy": {"mode": "act", "persist_windows": 3}}, **sections))
 
 
 def two_node_windows(helpers, n=3):
@@ -63,7 +64,7 @@ def test_triage_and_metrics_report_cross_node_traffic_per_layer(helpers):
 
 def test_plan_is_node_aware_and_priced_at_the_inter_node_link(helpers):
     windows = two_node_windows(helpers)
-    fast = policy.decide(view(windows), cfg(inter_node_bandwidth_bytes_per_second=5e10), now=0.0)
+    fast = policy.decide(view(windows), cfg(cost={"inter_node_bandwidth_bytes_per_second": 5e10}).policy, now=0.0)
     assert fast.has_plan
     counts_per_node = pm.holders(fast.physical_to_logical_map, E, 2)  # [L, E, nodes]
     assert (counts_per_node[:, HOT, :] > 0).all(), "the hot expert has a replica on every node"
@@ -72,13 +73,13 @@ def test_plan_is_node_aware_and_priced_at_the_inter_node_link(helpers):
     assert d.after["model_cross_node_ratio"] < d.before["model_cross_node_ratio"]
     moved = d.after["slots_moved"]
     stall_fast = d.after["predicted_stall_seconds"]
-    assert stall_fast == pytest.approx(moved * cfg().expert_bytes / 5e10)
+    assert stall_fast == pytest.approx(moved * cfg().policy.cost.expert_bytes / 5e10)
     # The same plan over a slow inter-node link costs more, and past the gain it does not pay.
-    slow_cfg = cfg(inter_node_bandwidth_bytes_per_second=1e3)
-    slow = policy.decide(view(windows), slow_cfg, now=0.0)
+    slow_cfg = cfg(cost={"inter_node_bandwidth_bytes_per_second": 1e3})
+    slow = policy.decide(view(windows), slow_cfg.policy, now=0.0)
     assert not slow.has_plan
     skipped = [d for d in slow.decisions if d.kind in ("replicate", "placement")]
     assert skipped and all(d.result == "skipped" and "does not pay" in d.reason for d in skipped)
     assert all(d.after["predicted_stall_seconds"] > 1000 * stall_fast for d in skipped)
     # One node: the inter-node bandwidth plays no part.
-    assert policy.decide(view(windows, num_nodes=1), slow_cfg, now=0.0).has_plan
+    assert policy.decide(view(windows, num_nodes=1), slow_cfg.policy, now=0.0).has_plan

@@ -31,8 +31,8 @@ def rejected(daemon, reason):
 
 def test_socket_mode_and_good_windows(start_agent, helpers):
     daemon = start_agent()
-    assert stat.S_IMODE(os.stat(daemon.cfg.socket).st_mode) == 0o660
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    assert stat.S_IMODE(os.stat(daemon.cfg.server.socket).st_mode) == 0o660
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     pmap = helpers.contiguous(2, 8, 12)
     for i in range(3):
         rt.send(helpers.make_window(helpers.hot_load(), pmap, 4, start_time=1000.0 + i * 10))
@@ -43,16 +43,16 @@ def test_socket_mode_and_good_windows(start_agent, helpers):
 
 
 def test_bad_frames_are_rejected_counted_and_the_agent_keeps_serving(start_agent, helpers):
-    daemon = start_agent(max_frame_bytes=65536)
+    daemon = start_agent(limits={"max_frame_bytes": 65536})
     pmap = helpers.contiguous(2, 8, 12)
     load = helpers.hot_load()
 
     # Out of order: a window before any hello.
-    early = helpers.FakeRuntime(daemon.cfg.socket).connect(hello=False)
+    early = helpers.FakeRuntime(daemon.cfg.server.socket).connect(hello=False)
     early.send(helpers.make_window(load, pmap, 4))
     assert helpers.wait_for(lambda: rejected(daemon, "out_of_order") == 1)
 
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     rt.send(helpers.make_window(load, pmap, 4, start_time=1000.0))
     group = helpers.wait_group(daemon)
     assert helpers.wait_for(lambda: len(group.history) == 1)
@@ -86,13 +86,13 @@ def test_bad_frames_are_rejected_counted_and_the_agent_keeps_serving(start_agent
     assert helpers.wait_for(lambda: rejected(daemon, "oversized") == 1)
     assert rt.closed_by_peer()
     # ... and a bad magic closes another; the counts say why.
-    bad = helpers.FakeRuntime(daemon.cfg.socket).connect(hello=False)
+    bad = helpers.FakeRuntime(daemon.cfg.server.socket).connect(hello=False)
     bad.send_raw(b"XX" + bytes(6))
     assert helpers.wait_for(lambda: rejected(daemon, "malformed") == 2)
     assert bad.closed_by_peer()
 
     # The runtime comes back: picked up again, windows flow, the /metrics text shows the counts.
-    back = helpers.FakeRuntime(daemon.cfg.socket, epoch=2).connect()
+    back = helpers.FakeRuntime(daemon.cfg.server.socket, epoch=2).connect()
     back.send(helpers.make_window(load, pmap, 4, start_time=2000.0, epoch=2))
     assert helpers.wait_for(lambda: len(group.history) == 4)
     assert group.connected
@@ -105,7 +105,7 @@ def test_bad_frames_are_rejected_counted_and_the_agent_keeps_serving(start_agent
 def test_disconnect_and_reconnect_is_picked_up(start_agent, helpers):
     daemon = start_agent()
     pmap = helpers.contiguous(2, 8, 12)
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     rt.send(helpers.make_window(helpers.hot_load(), pmap, 4, start_time=1000.0))
     group = helpers.wait_group(daemon)
     assert helpers.wait_for(lambda: len(group.history) == 1)
@@ -113,12 +113,12 @@ def test_disconnect_and_reconnect_is_picked_up(start_agent, helpers):
     assert helpers.wait_for(lambda: not group.connected)
     assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_runtime_connected", ("m", "g")) == 0)
     # A restarted runtime: its clock and epochs start again; the agent follows.
-    rt2 = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    rt2 = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     rt2.send(helpers.make_window(helpers.hot_load(), pmap, 4, start_time=500.0))
     assert helpers.wait_for(lambda: len(group.history) == 2)
     assert group.connected and daemon.metrics.get("moewatch_runtime_connected", ("m", "g")) == 1
     # A second hello for the same group replaces the first connection.
-    rt3 = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    rt3 = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     assert rt2.closed_by_peer()
     rt3.send(helpers.make_window(helpers.hot_load(), pmap, 4, start_time=600.0))
     ok = helpers.wait_for(lambda: len(group.history) == 3)
@@ -128,7 +128,7 @@ def test_disconnect_and_reconnect_is_picked_up(start_agent, helpers):
 
 def test_heartbeat_counts_runtime_drops(start_agent, helpers):
     daemon = start_agent()
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     rt.send(wire.Heartbeat(time=1.0, epoch=0, step=10, frames_dropped=3))
     rt.send(wire.Heartbeat(time=2.0, epoch=0, step=20, frames_dropped=5))
     assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_runtime_frames_dropped_total", ("m", "g")) == 5)

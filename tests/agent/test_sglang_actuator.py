@@ -45,10 +45,10 @@ def feed(rt, helpers, load, pmap, n, start, epoch=0):
 def test_plan_becomes_a_file_sglang_loads_and_the_command_runs_once(start_agent, helpers, short_tmp, monkeypatch):
     location = short_tmp / "sglang" / "expert_location.json"
     marker = short_tmp / "restarts"
-    daemon = start_agent(mode="act", actuator="sglang", sglang_location_file=str(location),
-                         sglang_command=f"sh -c 'echo $MOEWATCH_PLAN_EPOCH >> {marker}'",
-                         sglang_apply_seconds=0.5, verify_windows=2)
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    daemon = start_agent(policy={"mode": "act"}, verify={"windows": 2},
+                         sglang={"actuate": True, "location_file": str(location), "apply_seconds": 0.5,
+                                 "command": f"sh -c 'echo $MOEWATCH_PLAN_EPOCH >> {marker}'"})
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     group = helpers.wait_group(daemon)
     load, old = helpers.hot_load(L, E), helpers.contiguous(L, E, P)
     feed(rt, helpers, load, old, 2, 1000.0)
@@ -58,15 +58,15 @@ def test_plan_becomes_a_file_sglang_loads_and_the_command_runs_once(start_agent,
     assert marker.read_text().split() == ["1"]
     written = json.loads(location.read_text())
     assert list(written) == ["physical_to_logical_map"]
-    sent = next(r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "plan_sent")
-    applied = next(r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "plan_applied")
+    sent = next(r for r in read_audit(daemon.cfg.log.audit_log) if r["event"] == "plan_sent")
+    applied = next(r for r in read_audit(daemon.cfg.log.audit_log) if r["event"] == "plan_applied")
     assert sent["epoch"] == applied["epoch"] == 1
     record = json.loads(location.with_name(location.name + ".moewatch.json").read_text())
     assert record["epoch"] == 1 and record["ok"] and record["reason"] == sent["reason"]
     # SGLang's loader reads back exactly the map the agent decided.
     pmap, ep_size = sglang_reads(location, L, E, P, W, monkeypatch)
     assert np.array_equal(pmap, np.array(written["physical_to_logical_map"])) and ep_size == W
-    decision = next(r for r in read_audit(daemon.cfg.audit_log)
+    decision = next(r for r in read_audit(daemon.cfg.log.audit_log)
                     if r["event"] == "decision" and r["result"] == "proposed")
     assert decision["after"]["predicted_stall_seconds"] >= 0.5
 
@@ -88,15 +88,15 @@ def test_applying_the_same_plan_again_does_not_rerun_the_command(short_tmp, help
 
 def test_cost_gate_skips_a_plan_worth_less_than_sglang_apply_cost(start_agent, helpers, short_tmp):
     location = short_tmp / "loc.json"
-    daemon = start_agent(mode="act", actuator="sglang", sglang_location_file=str(location),
-                         sglang_apply_seconds=86_400)
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    daemon = start_agent(policy={"mode": "act"}, sglang={"actuate": True, "location_file": str(location),
+                                                         "apply_seconds": 86_400})
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     group = helpers.wait_group(daemon)
     feed(rt, helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 2, 1000.0)
     assert helpers.wait_for(lambda: len(group.history) == 2)
     daemon.controller.plan_tick()
     assert not location.exists()
-    skipped = [r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "decision"]
+    skipped = [r for r in read_audit(daemon.cfg.log.audit_log) if r["event"] == "decision"]
     assert skipped and all(r["result"] == "skipped" and "86400.000 s stall" in r["reason"] for r in skipped)
 
 
@@ -105,5 +105,5 @@ def test_apply_seconds_is_validated(value):
     from moewatch.agent.config import build_config
     from moewatch.thresholds import ConfigError
 
-    with pytest.raises(ConfigError, match="^MOEWATCH_SGLANG_APPLY_SECONDS: "):
-        build_config(environ={"MOEWATCH_SGLANG_APPLY_SECONDS": value})
+    with pytest.raises(ConfigError, match="^MOEWATCH_SGLANG__APPLY_SECONDS: "):
+        build_config(environ={"MOEWATCH_SGLANG__APPLY_SECONDS": value})

@@ -14,7 +14,7 @@ L, E, P, W = 2, 8, 12, 4
 
 
 def test_runtime_sender_over_tcp_reaches_the_agent_and_gets_its_plan(start_agent, helpers):
-    daemon = start_agent(tcp_listen="127.0.0.1:0")
+    daemon = start_agent(server={"tcp_listen": "127.0.0.1:0"})
     plans, got_plan = [], threading.Event()
 
     def on_plan(plan):

@@ -10,8 +10,8 @@ from moewatch.agent.top import fetch_status, render
 
 
 def test_top_renders_a_running_agent(start_agent, helpers):
-    daemon = start_agent(mode="recommend")
-    rt = helpers.FakeRuntime(daemon.cfg.socket).connect()
+    daemon = start_agent(policy={"mode": "recommend"})
+    rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
     group = helpers.wait_group(daemon)
     for i in range(2):
         rt.send(helpers.make_window(helpers.hot_load(), helpers.contiguous(2, 8, 12), 4, start_time=1000.0 + 10 * i))

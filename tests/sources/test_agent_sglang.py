@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moewatch.agent.config import build_config
+from moewatch.agent.config import AgentConfig
 from moewatch.agent.daemon import Daemon
 
 PMAP = np.array([[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 2, 3]])
@@ -25,6 +25,14 @@ def agent_dir():
     path = Path(tempfile.mkdtemp(prefix="mws-", dir="/tmp"))  # short: unix socket paths are limited
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def agent_base(folder, export_interval: float) -> dict:
+    """The sections of an agent on `folder` with fast triage and exports (planning left to the test)."""
+    return {"server": {"socket": str(folder / "a.sock"), "listen": "127.0.0.1:0"},
+            "log": {"audit_log": str(folder / "audit.jsonl")},
+            "jobs": {"triage_interval_seconds": 0.05, "plan_interval_seconds": 3600,
+                     "export_interval_seconds": export_interval}}
 
 
 def wait_for(predicate, timeout=15.0):
@@ -40,11 +48,8 @@ def wait_for(predicate, timeout=15.0):
 def test_agent_ingests_each_sglang_dump_once(sglang_recorder, agent_dir, monkeypatch):
     dumps = agent_dir / "dumps"
     dumps.mkdir()
-    flags = {"socket": str(agent_dir / "a.sock"), "listen": "127.0.0.1:0", "audit_log": str(agent_dir / "audit.jsonl"),
-             "triage_interval_seconds": 0.05, "plan_interval_seconds": 3600, "export_interval_seconds": 0.2,
-             "sglang_dump_dir": str(dumps), "sglang_poll_seconds": 0.1, "sglang_model": "dsv3",
-             "sglang_ep_group": "pod-a"}
-    daemon = Daemon(build_config(flags=flags, environ={})).start()
+    daemon = Daemon(AgentConfig.from_mapping(agent_base(agent_dir, 0.2), sglang={
+        "dump_dir": str(dumps), "poll_seconds": 0.1, "model": "dsv3", "ep_group": "pod-a"})).start()
     try:
         meta = sglang_recorder.metadata(PMAP, ep_size=2)
         hot = np.full(PMAP.shape, 10)
@@ -69,17 +74,17 @@ def test_agent_ingests_each_sglang_dump_once(sglang_recorder, agent_dir, monkeyp
 def test_metrics_url_is_validated(url):
     from moewatch.thresholds import ConfigError
 
-    with pytest.raises(ConfigError, match="^sglang_metrics_url: "):
-        build_config(flags={"sglang_metrics_url": url, "sglang_num_experts": 4}, environ={})
+    with pytest.raises(ConfigError, match="^sglang.metrics_url: "):
+        AgentConfig.from_mapping({"sglang.metrics_url": url, "sglang.num_experts": 4})
 
 
 def test_metrics_url_needs_the_placement_in_force():
     from moewatch.thresholds import ConfigError
 
-    with pytest.raises(ConfigError, match="^sglang_metrics_url: its windows need the placement in force"):
-        build_config(flags={"sglang_metrics_url": "http://127.0.0.1:30000/metrics"}, environ={})
-    for extra in ({"sglang_num_experts": 8}, {"sglang_placement_file": "/etc/sglang/expert_location.json"}):
-        build_config(flags={"sglang_metrics_url": "http://127.0.0.1:30000/metrics", **extra}, environ={})
+    with pytest.raises(ConfigError, match="^sglang.metrics_url: its windows need the placement in force"):
+        AgentConfig.from_mapping({"sglang.metrics_url": "http://127.0.0.1:30000/metrics"})
+    for extra in ({"sglang.num_experts": 8}, {"sglang.placement_file": "/etc/sglang/expert_location.json"}):
+        AgentConfig.from_mapping({"sglang.metrics_url": "http://127.0.0.1:30000/metrics", **extra})
 
 
 def samples(text: str, name: str) -> dict[tuple, float]:
@@ -94,12 +99,11 @@ def test_agent_makes_windows_from_the_metrics_heatmap(sglang_heatmap, agent_dir)
     url, record, restart = sglang_heatmap
     placement = agent_dir / "expert_location.json"  # what SGLang was started with (--init-expert-location)
     placement.write_text(json.dumps({"physical_to_logical_map": PMAP.tolist()}))
-    flags = {"socket": str(agent_dir / "a.sock"), "listen": "127.0.0.1:0", "audit_log": str(agent_dir / "audit.jsonl"),
-             "triage_interval_seconds": 0.05, "plan_interval_seconds": 3600, "export_interval_seconds": 0.1,
-             "sglang_metrics_url": url, "sglang_placement_file": str(placement), "sglang_poll_seconds": 0.1,
-             "sglang_model": "dsv3", "sglang_ep_group": "pod-a"}
+    settings = AgentConfig.from_mapping(agent_base(agent_dir, 0.1), sglang={
+        "metrics_url": url, "placement_file": str(placement), "poll_seconds": 0.1, "model": "dsv3",
+        "ep_group": "pod-a"})
     record(np.array([[5, 5], [5, 5]]))  # before the agent's first scrape: the baseline
-    daemon = Daemon(build_config(flags=flags, environ={})).start()
+    daemon = Daemon(settings).start()
     try:
         assert wait_for(lambda: daemon.sources["sglang"].scraper.scrapes >= 1)
         skewed = np.array([[90, 10], [50, 50]])
@@ -142,9 +146,7 @@ def test_hook_windows_reach_the_agent_over_its_socket(agent_dir, monkeypatch):
     import torch
     from moewatch.runtime.engines.sglang_hooks import topk_counter
 
-    flags = {"socket": str(agent_dir / "a.sock"), "listen": "127.0.0.1:0", "audit_log": str(agent_dir / "audit.jsonl"),
-             "triage_interval_seconds": 0.05, "plan_interval_seconds": 3600, "export_interval_seconds": 0.2}
-    daemon = Daemon(build_config(flags=flags, environ={})).start()
+    daemon = Daemon(AgentConfig.from_mapping(agent_base(agent_dir, 0.2))).start()
     monkeypatch.setenv("MOEWATCH_SOCKET", str(agent_dir / "a.sock"))
     monkeypatch.delenv("MOEWATCH_WINDOW_DIR", raising=False)
     counter = topk_counter({"num_layers": 2, "num_experts": 4, "num_slots": 6, "ep_size": 2, "model": "tiny",
@@ -174,12 +176,13 @@ def test_dump_groups_take_placements_only_when_the_sglang_actuator_writes_them(s
 
     dumps = agent_dir / "dumps"
     dumps.mkdir()
-    flags = {"socket": str(agent_dir / "a.sock"), "listen": "127.0.0.1:0", "audit_log": str(agent_dir / "audit.jsonl"),
-             "triage_interval_seconds": 0.05, "plan_interval_seconds": 3600, "export_interval_seconds": 0.2,
-             "sglang_dump_dir": str(dumps), "sglang_poll_seconds": 0.1, "sglang_model": "dsv3",
-             "sglang_ep_group": "pod-a", "mode": "act", "persist_windows": 1}
+    flags = {"server.socket": str(agent_dir / "a.sock"), "server.listen": "127.0.0.1:0",
+             "log.audit_log": str(agent_dir / "audit.jsonl"), "jobs.triage_interval_seconds": 0.05,
+             "jobs.plan_interval_seconds": 3600, "jobs.export_interval_seconds": 0.2,
+             "sglang.dump_dir": str(dumps), "sglang.poll_seconds": 0.1, "sglang.model": "dsv3",
+             "sglang.ep_group": "pod-a", "policy.mode": "act", "policy.persist_windows": 1}
     if actuate:
-        flags |= {"actuator": "sglang", "sglang_location_file": str(agent_dir / "expert_location.json")}
+        flags |= {"sglang.actuate": True, "sglang.location_file": str(agent_dir / "expert_location.json")}
     daemon = Daemon(build_config(flags=flags, environ={})).start()
     try:
         meta = sglang_recorder.metadata(PMAP, ep_size=2)

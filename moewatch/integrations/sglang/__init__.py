@@ -6,28 +6,19 @@
 - `actuator`: plans as an `--init-expert-location` file and the operator's command (`SGLangActuator`).
 
 The hook that runs inside SGLang's process is runtime/engines/sglang_hooks.py. Every class here
-takes the SGLang settings section (attribute access: dump_dir, metrics_url, poll_seconds,
+takes the SGLang settings section (`SGLangSettings`: dump_dir, metrics_url, poll_seconds,
 placement_file, num_experts, model, ep_group, location_file, command, command_timeout_seconds,
 apply_seconds, actuate).
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any, Callable
 
 from ..base import Actuator, GroupKey, Integration, Source
+from .settings import SECTION, SGLangSettings
 
 RUNTIME = "sglang"
-SETTINGS_FIELDS = ("dump_dir", "metrics_url", "poll_seconds", "placement_file", "num_experts", "model", "ep_group",
-                   "location_file", "command", "command_timeout_seconds", "apply_seconds")
-
-
-def settings_from_flat_config(cfg: Any) -> SimpleNamespace:
-    """The SGLang section read from the agent's flat `sglang_*` settings and `actuator: sglang`: the
-    bridge until the agent's config holds the section itself (then `settings_of` reads it there)."""
-    return SimpleNamespace(**{name: getattr(cfg, f"sglang_{name}") for name in SETTINGS_FIELDS},
-                           actuate=getattr(cfg, "actuator", "runtime") == "sglang")
 
 
 def _source(settings: Any) -> Source | None:
@@ -44,5 +35,5 @@ def _actuator(settings: Any, connection_of: Callable[[GroupKey], Any]) -> Actuat
     return SGLangActuator(settings)
 
 
-INTEGRATION = Integration(name="sglang", runtimes=frozenset({RUNTIME}), settings_section="sglang",
-                          settings_of=settings_from_flat_config, make_source=_source, make_actuator=_actuator)
+INTEGRATION = Integration(name="sglang", runtimes=frozenset({RUNTIME}), settings_section=SECTION,
+                          settings_class=SGLangSettings, make_source=_source, make_actuator=_actuator)

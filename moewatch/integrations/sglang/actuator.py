@@ -121,4 +121,3 @@ class SGLangActuator:
 
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-

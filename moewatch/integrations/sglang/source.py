@@ -86,7 +86,7 @@ class SGLangSource:
         try:
             return read_plan(self.placement_file).physical_to_logical_map
         except FileFormatError as exc:
-            raise SourceError("sglang_placement_file", str(exc)) from None
+            raise SourceError("sglang.placement_file", str(exc)) from None
 
     def status(self) -> dict[str, Any]:
         return {"dump_dir": None if self.watcher is None else str(self.watcher.folder),

@@ -112,14 +112,14 @@ def check_counts(windows: list[Window], tiny_model, generated) -> None:
 
 @pytest.mark.slow
 def test_eager_multiprocess_tp2_counts_equal_transformers_not_doubled_and_reach_the_agent(tiny_model, tmp_path):
-    from moewatch.agent.config import build_config
+    from moewatch.agent.config import AgentConfig
     from moewatch.agent.daemon import Daemon
 
     short = Path(tempfile.mkdtemp(prefix="mwv-", dir="/tmp"))
     sock = str(short / "agent.sock")
-    daemon = Daemon(build_config(flags={"socket": sock, "listen": "127.0.0.1:0", "audit_log": str(short / "audit.jsonl"),
-                                        "triage_interval_seconds": 0.05, "export_interval_seconds": 0.2},
-                                 environ={})).start()
+    daemon = Daemon(AgentConfig.from_mapping({
+        "server": {"socket": sock, "listen": "127.0.0.1:0"}, "log": {"audit_log": str(short / "audit.jsonl")},
+        "jobs": {"triage_interval_seconds": 0.05, "export_interval_seconds": 0.2}})).start()
     try:
         windows, files, generated = run_vllm(tiny_model, tmp_path, compiled=False, multiprocessing=True, tp=2,
                                              socket=sock)

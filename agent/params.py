@@ -1,0 +1,44 @@
+"""The one place the validated configuration becomes the decision modules' parameters: the policy and
+verification never read the configuration itself, only these small frozen objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import AgentConfig
+from .policy import CostParams, PolicyParams
+from .verification import VerifyParams
+
+
+@dataclass(frozen=True)
+class ControlParams:
+    policy: PolicyParams
+    verify: VerifyParams
+
+
+def cost_params(cfg: AgentConfig) -> CostParams:
+    # An actuator's own apply cost comes with its declared properties (GroupView.actuator), not from here.
+    return CostParams(expert_bytes=cfg.cost.expert_bytes,
+                      migration_bandwidth_bytes_per_second=cfg.cost.migration_bandwidth_bytes_per_second,
+                      inter_node_bandwidth_bytes_per_second=cfg.cost.inter_node_bandwidth_bytes_per_second)
+
+
+def policy_params(cfg: AgentConfig) -> PolicyParams:
+    p = cfg.policy
+    return PolicyParams(mode=p.mode, persist_windows=p.persist_windows, horizon_seconds=p.horizon_seconds,
+                        gain_margin=p.gain_margin, min_balancedness_gain=p.min_balancedness_gain,
+                        cooldown_seconds=p.cooldown_seconds, max_plans_per_hour=p.max_plans_per_hour,
+                        max_replicas_per_expert=p.max_replicas_per_expert, capacity_factor_min=p.capacity_factor_min,
+                        capacity_factor_max=p.capacity_factor_max, allow_lossy_capacity=p.allow_lossy_capacity,
+                        cost=cost_params(cfg))
+
+
+def verify_params(cfg: AgentConfig) -> VerifyParams:
+    v = cfg.verify
+    return VerifyParams(windows=v.windows, rollback_balancedness_drop=v.rollback_balancedness_drop,
+                        rollback_time_rise=v.rollback_time_rise)
+
+
+def from_config(cfg: AgentConfig) -> ControlParams:
+    """Every decision module's parameters, from one validated config (the controller keeps the result)."""
+    return ControlParams(policy=policy_params(cfg), verify=verify_params(cfg))
