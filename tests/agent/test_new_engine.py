@@ -102,7 +102,7 @@ def toy_engine(helpers):
 
 def test_a_new_engine_is_ingested_triaged_decided_and_applied(toy_engine, start_agent, helpers):
     engine, parts = toy_engine
-    daemon = start_agent(mode="act", verify_windows=3)
+    daemon = start_agent(policy={"mode": "act"}, verify={"windows": 3})
     assert daemon.controller.actuator is parts["actuator"]
     key = ("toy", "pod")
     assert helpers.wait_for(lambda: daemon.store.get(key) is not None and len(daemon.store.get(key).history) >= 2)
@@ -122,8 +122,8 @@ def test_a_new_engine_is_ingested_triaged_decided_and_applied(toy_engine, start_
     after = pm.balancedness(engine.load.astype(float), plan.physical_to_logical_map, W)
     assert (after > before + 0.1).all()
     # The new epoch's windows come from the source; the agent keeps the plan on their evidence.
-    assert helpers.wait_for(lambda: any(r["event"] == "verified" for r in read_audit(daemon.cfg.audit_log)))
-    events = [r["event"] for r in read_audit(daemon.cfg.audit_log) if r.get("model") == "toy"]
+    assert helpers.wait_for(lambda: any(r["event"] == "verified" for r in read_audit(daemon.cfg.log.audit_log)))
+    events = [r["event"] for r in read_audit(daemon.cfg.log.audit_log) if r.get("model") == "toy"]
     assert events.index("plan_sent") < events.index("plan_applied") < events.index("verified")
     assert "rollback" not in events
     assert daemon.status()["toy"] == {"windows": engine.windows, "refused": []}

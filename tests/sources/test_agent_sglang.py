@@ -194,7 +194,7 @@ def test_dump_groups_take_placements_only_when_the_sglang_actuator_writes_them(s
         group = daemon.store.get(key)
         assert group.hello.capabilities == (("plan",) if actuate else ())
         daemon.controller.plan_tick()
-        decisions = [r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "decision"]
+        decisions = [r for r in read_audit(daemon.cfg.log.audit_log) if r["event"] == "decision"]
         assert decisions
         if actuate:
             # A placement is a lever now, so the planner is asked; a stat dump reads as one rank (it has no
