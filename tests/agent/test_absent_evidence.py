@@ -10,8 +10,8 @@ import pytest
 
 from moewatch.agent import policy
 from moewatch.agent.config import build_config
-from moewatch.agent.exporters import GroupExportMemory, MetricsState
-from moewatch.agent.exporters import record_window
+from moewatch.agent.metrics.state import MetricsState
+from moewatch.agent.metrics.windows import GroupExportMemory, record_window
 from moewatch.agent.store import TriagedWindow
 from moewatch.examples import without_evidence
 from moewatch.telemetry import EVIDENCE, OPTIONAL_ARRAYS
