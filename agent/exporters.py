@@ -8,9 +8,11 @@ that a recorded window refreshes); nothing outside the catalogue can leak into /
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any, Iterable, Iterator
 
+import numpy as np
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -61,6 +63,7 @@ class Exposition:
         self._headers = {spec.name: self._header(spec) for spec in METRICS}
         self._labels: dict[tuple[str, Labels], str] = {}
         self._buckets: dict[tuple[str, Labels], list[str]] = {}
+        self._prefixes: dict[tuple[str, Chunk], tuple[list[Labels], list[str]]] = {}
 
     @staticmethod
     def _header(spec: Family) -> bytes:
@@ -92,14 +95,23 @@ class Exposition:
         name = spec.name
         if spec.kind == "histogram":
             for key, (buckets, total) in self.state.chunk_series(spec, chunk):
-                for le_labels, (_, count) in zip(self._bucket_labels(spec, key, buckets), buckets):
-                    lines.append(f"{name}_bucket{le_labels} {floatToGoString(count)}\n")
+                *counts, total_text = go_floats([count for _, count in buckets] + [total])
+                for le_labels, count in zip(self._bucket_labels(spec, key, buckets), counts):
+                    lines.append(f"{name}_bucket{le_labels} {count}\n")
                 labels = self._label_text(spec, key)
-                lines.append(f"{name}_count{labels} {floatToGoString(buckets[-1][1])}\n")
-                lines.append(f"{name}_sum{labels} {floatToGoString(total)}\n")
+                lines.append(f"{name}_count{labels} {counts[-1]}\n")
+                lines.append(f"{name}_sum{labels} {total_text}\n")
         else:
-            for key, value in self.state.chunk_series(spec, chunk):
-                lines.append(f"{name}{self._label_text(spec, key)} {floatToGoString(value)}\n")
+            keys, values = self.state.chunk_columns(spec, chunk)
+            if not keys:
+                return b""
+            # The text before each value, kept while the chunk holds the same series in the same order.
+            cached = self._prefixes.get((name, chunk))
+            if cached is None or cached[0] != keys:
+                cached = (keys, [f"{name}{self._label_text(spec, key)} " for key in keys])
+                self._prefixes[(name, chunk)] = cached
+            lines = map(operator.add, cached[1], go_floats(values))
+            return ("\n".join(lines) + "\n").encode()
         return "".join(lines).encode()
 
     def render(self) -> bytes:
@@ -117,7 +129,27 @@ class Exposition:
                     out.append(cached[1])
             for gone in set(self._chunks) - live:
                 del self._chunks[gone]
+                self._prefixes.pop(gone, None)
             return b"".join(out)
+
+
+def go_float(value: float) -> str:
+    """prometheus_client's floatToGoString, without its general path for the common case: Python's
+    repr is already Go's text for a finite float below 1e6 written without exponent."""
+    text = repr(float(value))
+    if text.find(".") <= 6 and text[-1] not in "fn":  # not inf/nan, and no Go exponent switch
+        return text
+    return floatToGoString(value)
+
+
+def go_floats(values: list[float]) -> list[str]:
+    """`go_float` of each value: repr for all, the general path only where Go's text can differ
+    (non-finite, or a magnitude of 1e6 and more, where Go switches to an exponent sooner)."""
+    texts = list(map(repr, map(float, values)))
+    magnitude = np.abs(np.asarray(values, dtype=np.float64))
+    for i in np.flatnonzero(~(magnitude < 1e6)).tolist():
+        texts[i] = floatToGoString(values[i])
+    return texts
 
 
 def _escape(value: str) -> str:

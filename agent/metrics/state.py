@@ -11,6 +11,7 @@ nothing of presentation: it imports no exporter.
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Union
@@ -20,7 +21,8 @@ import numpy as np
 from .family import Family, Histogram, Labels
 
 Chunk = tuple[str, ...]
-FamilyRef = Union[Family, str]  # a family, or (for readers and the transition) its exposed name
+FamilyRef = Union[Family, str]
+_GROUP_OF = operator.itemgetter(0, 1)  # a per-group series' chunk: its (model, ep_group)  # a family, or (for readers and the transition) its exposed name
 
 
 @dataclass
@@ -140,6 +142,12 @@ class MetricsState:
             return [(k, (h.cumulative(), h.total)) for k, h in self._histograms.get(family.name, {})
                     .get(chunk, {}).items()]
 
+    def chunk_columns(self, family: Family, chunk: Chunk) -> tuple[list[Labels], list[float]]:
+        """One chunk's gauge or counter series as two lists: label tuples and values, in order."""
+        with self._lock:
+            series = self._values.get(family.name, {}).get(chunk, {})
+            return list(series), list(series.values())
+
     def window_recorded(self) -> None:
         for callback in self.on_window:
             callback()
@@ -184,36 +192,53 @@ class FamilyWriter:
             series[key] = series.get(key, 0.0) + float(amount)
             self.state._bump(self.name, chunk)
 
-    def set_many(self, items: Iterable[tuple[Labels, float]]) -> None:
-        """Many series at once: one lock."""
+    def set_many(self, items: Iterable[tuple[Labels, float]], chunk: Chunk | None = None) -> None:
+        """Many series at once: one lock. `chunk`: every key is of this one chunk (a window's series of
+        its own group), so the keys are stored in one pass."""
         self._expect("gauge")
-        self._write_many(items, add=False)
+        self._write_many(items, add=False, chunk=chunk)
 
-    def inc_many(self, items: Iterable[tuple[Labels, float]]) -> None:
+    def inc_many(self, items: Iterable[tuple[Labels, float]], chunk: Chunk | None = None) -> None:
         self._expect("counter")
-        self._write_many(items, add=True)
+        self._write_many(items, add=True, chunk=chunk)
 
-    def _write_many(self, items: Iterable[tuple[Labels, float]], add: bool) -> None:
-        chunk_of, width, bump = self._chunk_of, self._width, self.state._bump
-        chunk, changed, series = None, False, {}
+    def _write_many(self, items: Iterable[tuple[Labels, float]], add: bool, chunk: Chunk | None) -> None:
+        if chunk is None:
+            for one_chunk, chunk_items in self._by_chunk(items):
+                self._write_chunk(one_chunk, chunk_items, add)
+        else:
+            self._write_chunk(chunk, list(items), add)
+
+    def _by_chunk(self, items: Iterable[tuple[Labels, float]]) -> list[tuple[Chunk, list]]:
+        """Items split into runs of one chunk each, in order."""
+        runs: list[tuple[Chunk, list]] = []
+        for item in items:
+            chunk = self._chunk_of(item[0])
+            if not runs or runs[-1][0] != chunk:
+                runs.append((chunk, []))
+            runs[-1][1].append(item)
+        return runs
+
+    def _write_chunk(self, chunk: Chunk, items: list[tuple[Labels, float]], add: bool) -> None:
+        if not items:
+            return
+        keys, raw = zip(*items)
+        values = list(map(float, raw))
+        if set(map(len, keys)) != {self._width} or (add and min(values) < 0):
+            bad = next((k, v) for k, v in zip(keys, values) if len(k) != self._width or (add and v < 0))
+            raise ValueError(f"{self.name}: bad {'increment' if add else 'value'} {bad[1]} for {bad[0]}")
+        if self.family.per_group and set(map(_GROUP_OF, keys)) != {chunk}:
+            raise ValueError(f"{self.name}: a key outside chunk {chunk}")
         with self.state._lock:
-            for key, value in items:
-                if len(key) != width or (add and value < 0):
-                    raise ValueError(f"{self.name}: bad {'increment' if add else 'value'} {value} for {key}")
-                if chunk is None or chunk != chunk_of(key):
-                    if changed:
-                        bump(self.name, chunk)
-                    chunk, changed = chunk_of(key), False
-                    series = self._table.setdefault(chunk, {})
-                value = float(value)
-                if add:
-                    series[key] = series.get(key, 0.0) + value
-                    changed = True
-                elif series.get(key) != value:
-                    series[key] = value
-                    changed = True
-            if changed:
-                bump(self.name, chunk)
+            series = self._table.setdefault(chunk, {})
+            if add:
+                get = series.get
+                series.update(zip(keys, [get(key, 0.0) + value for key, value in zip(keys, values)]))
+            elif any(map(operator.ne, map(series.get, keys), values)):
+                series.update(zip(keys, values))
+            else:
+                return
+            self.state._bump(self.name, chunk)
 
     def remove(self, labels: Labels) -> None:
         self.remove_many([tuple(map(str, labels))])
@@ -244,6 +269,42 @@ class FamilyWriter:
             self.state._bump(self.name, chunk)
         for observer in self.state.observers:
             observer(self.name, key, arr)
+
+    def observe_rows(self, keys: list[Labels], rows: np.ndarray) -> None:
+        """One observation batch per series: rows[i] ([n_i] values, or [S, n] as one array) goes to
+        keys[i]. Equal to `observe(keys[i], rows[i])` for each i, with one bucket search for all."""
+        self._expect("histogram")
+        if not keys:
+            return
+        rows = np.asarray(rows, dtype=np.float64).reshape(len(keys), -1)
+        bounds = self.family.buckets
+        nb = len(bounds) + 1
+        finite = np.isfinite(rows)
+        idx = np.searchsorted(np.asarray(bounds), np.where(finite, rows, 0.0), side="left")
+        series_of = np.broadcast_to(np.arange(len(keys))[:, None], rows.shape)
+        counts = np.bincount((series_of * nb + idx)[finite], minlength=len(keys) * nb).reshape(len(keys), nb)
+        totals = rows.sum(axis=1).tolist()
+        for i in np.flatnonzero(~finite.all(axis=1)).tolist():  # as observe() sums: the finite values only
+            totals[i] = float(rows[i][finite[i]].sum())
+        sizes = finite.sum(axis=1).tolist()
+        with self.state._lock:
+            touched = set()
+            for i, key in enumerate(keys):
+                chunk = self._chunk_of(key)
+                hists = self._table.setdefault(chunk, {})
+                hist = hists.get(key)
+                if hist is None:
+                    hist = hists[key] = HistogramValue(bounds)
+                if sizes[i]:
+                    hist.counts += counts[i]
+                    hist.total += totals[i]
+                    hist.count += sizes[i]
+                touched.add(chunk)
+            for chunk in touched:
+                self.state._bump(self.name, chunk)
+        for observer in self.state.observers:
+            for key, row in zip(keys, rows):
+                observer(self.name, key, row)
 
     def _expect(self, kind: str) -> None:
         if self.family.kind != kind:

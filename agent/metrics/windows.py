@@ -175,40 +175,44 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
                 absent.append(layer_keys[d.layer])  # unmeasured, or dropless: no capacity to fill
             else:
                 present.append((layer_keys[d.layer], value))
-        state[metric].set_many(present)
+        state[metric].set_many(present, chunk=group)
         state[metric].remove_many(absent)
     state[LAYER_SECONDS_AT_STAKE].set_many([(layer_keys[d.layer], d.seconds_at_stake)
-                                            for d in diagnosis.layers if np.isfinite(d.seconds_at_stake)])
+                                            for d in diagnosis.layers if np.isfinite(d.seconds_at_stake)],
+                                           chunk=group)
     state[LAYER_EVIDENCE_MISSING].set_many(
         [((*layer_keys[d.layer], kind), 1.0 if kind in d.missing else 0.0)
-         for d in diagnosis.layers for kind in tm.EVIDENCE])
+         for d in diagnosis.layers for kind in tm.EVIDENCE], chunk=group)
     if max_min is None:
         state[LAYER_RANK_LOAD_MAX_MIN].remove_many(layer_keys)
         state[RANK_LOAD_PAIRS].remove_many([k for row in rank_keys for k in row])
     else:
         # +Inf here where a rank computed nothing (None in the diagnosis's JSON).
-        state[LAYER_RANK_LOAD_MAX_MIN].set_many(zip(layer_keys, max_min.tolist()))
+        state[LAYER_RANK_LOAD_MAX_MIN].set_many(zip(layer_keys, max_min.tolist()), chunk=group)
         per_step = (rank_load / steps).tolist()
         state[RANK_LOAD_PAIRS].set_many([(key, value) for keys, values in zip(rank_keys, per_step)
-                                         for key, value in zip(keys, values)])
+                                         for key, value in zip(keys, values)], chunk=group)
     for metric, key in ((LAYER_ROUTED_PAIRS_TOTAL, "routed_pairs"),
                         (LAYER_DROPPED_PAIRS_TOTAL, "dropped_pairs"),
                         (LAYER_REROUTED_PAIRS_TOTAL, "rerouted_pairs")):
         state[metric].inc_many([(layer_keys[d.layer], d.metrics[key]) for d in diagnosis.layers
-                                if d.metrics[key] is not None])
+                                if d.metrics[key] is not None], chunk=group)
     # Per-expert series need per-expert counts (a window of per-rank totals has none).
     expert_load = None if w.expert_tokens is None else w.expert_tokens.astype(np.float64)
     if expert_load is not None:
         expert_mean = expert_load.mean(axis=1, keepdims=True)
         expert_share = np.divide(expert_load, expert_mean, out=np.zeros_like(expert_load), where=expert_mean > 0)
+    # The group's all-to-all per step: the slowest rank's (a collective ends when its last rank does).
+    a2a = [(layer_keys[d.layer], d.metrics["a2a_seconds_per_step"]) for d in diagnosis.layers
+           if d.metrics["a2a_seconds_per_step"] is not None]
+    if a2a:
+        state[LAYER_A2A_STEP].observe_rows([key for key, _ in a2a], np.array([[value] for _, value in a2a]))
+    if expert_load is not None:
+        shared = [d.layer for d in diagnosis.layers if expert_mean[d.layer, 0] > 0]
+        state[LAYER_EXPERT_LOAD_SHARE].observe_rows([layer_keys[i] for i in shared], expert_share[shared])
     verdicts, runs = [], []
     for d in diagnosis.layers:
         layer = layer_keys[d.layer]
-        # The group's all-to-all per step: the slowest rank's (a collective ends when its last rank does).
-        if d.metrics["a2a_seconds_per_step"] is not None:
-            state[LAYER_A2A_STEP].observe(layer, [d.metrics["a2a_seconds_per_step"]])
-        if expert_load is not None and expert_mean[d.layer, 0] > 0:
-            state[LAYER_EXPERT_LOAD_SHARE].observe(layer, expert_share[d.layer])
         # The verdict gauge: 1 for the current (verdict, cause), 0 for the others this layer had.
         current = (d.verdict, d.cause or "none")
         seen = memory.verdicts.setdefault(d.layer, set())
@@ -218,13 +222,13 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
         run = run + 1 if d.verdict != "healthy" else 0
         memory.unhealthy_run[d.layer] = run
         runs.append((layer, run))
-    state[LAYER_VERDICT].set_many(verdicts)
-    state[LAYER_UNHEALTHY_WINDOWS].set_many(runs)
+    state[LAYER_VERDICT].set_many(verdicts, chunk=group)
+    state[LAYER_UNHEALTHY_WINDOWS].set_many(runs, chunk=group)
     group_ranks = [(*group, str(rank)) for rank in range(w.world_size)]
     if w.compute_seconds is None:
         state[RANK_COMPUTE].remove_many(group_ranks)
     else:
-        state[RANK_COMPUTE].set_many(zip(group_ranks, (w.compute_seconds.sum(axis=0) / steps).tolist()))
+        state[RANK_COMPUTE].set_many(zip(group_ranks, (w.compute_seconds.sum(axis=0) / steps).tolist()), chunk=group)
     if expert_metrics and expert_load is not None:
         _record_experts(state, memory, w, group)
     state[EPOCH].set(group, w.epoch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from moewatch.agent.catalog import BY_NAME, CONCERNS, METRICS
@@ -68,3 +69,46 @@ def test_storage_imports_no_presentation():
             "print(sorted(m for m in sys.modules if m.startswith(('prometheus_client', 'moewatch.agent.exporters'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_batched_writes_store_what_one_at_a_time_writes():
+    """The batched forms the window's export uses are equal to the one-series forms they replace."""
+    from moewatch.agent.metrics.windows import LAYER_EXPERT_LOAD_SHARE, LAYER_ROUTED_PAIRS_TOTAL, LAYER_VERDICT
+
+    rng = np.random.default_rng(3)
+    rows = rng.lognormal(0.0, 1.0, (6, 40))
+    rows[2, 5], rows[4, :] = np.nan, np.inf  # non-finite values are not observed, as in observe()
+    keys = [("m", "g", str(layer)) for layer in range(6)]
+    one, batch = MetricsState(), MetricsState()
+    for key, row in zip(keys, rows):
+        one[LAYER_EXPERT_LOAD_SHARE].observe(key, row)
+    batch[LAYER_EXPERT_LOAD_SHARE].observe_rows(keys, rows)
+    assert one.histogram_series(LAYER_EXPERT_LOAD_SHARE) == batch.histogram_series(LAYER_EXPERT_LOAD_SHARE)
+    for _ in range(2):
+        values = rng.integers(0, 1000, 6).tolist()
+        for key, value in zip(keys, values):
+            one[LAYER_ROUTED_PAIRS_TOTAL].inc(key, value)
+            one[LAYER_VERDICT].set((*key, "healthy", "none"), value % 2)
+        batch[LAYER_ROUTED_PAIRS_TOTAL].inc_many(zip(keys, values), chunk=("m", "g"))
+        batch[LAYER_VERDICT].set_many([((*key, "healthy", "none"), value % 2) for key, value in zip(keys, values)],
+                                      chunk=("m", "g"))
+    for family in (LAYER_ROUTED_PAIRS_TOTAL, LAYER_VERDICT):
+        assert one.series(family) == batch.series(family)
+    with pytest.raises(ValueError, match="outside chunk"):
+        batch[LAYER_VERDICT].set_many([(("m", "other", "0", "healthy", "none"), 1.0)], chunk=("m", "g"))
+    with pytest.raises(ValueError, match="bad increment"):
+        batch[LAYER_ROUTED_PAIRS_TOTAL].inc_many([(keys[0], -1.0)], chunk=("m", "g"))
+
+
+def test_the_exposition_formats_numbers_as_prometheus_client_does():
+    from prometheus_client.utils import floatToGoString
+
+    from moewatch.agent.exporters import go_float, go_floats
+
+    rng = np.random.default_rng(0)
+    values = [0.0, -0.0, 1.0, 1e6, 999999.5, 1234567.0, 12345678.9, 1e21, 1e-7, -1234567.0, float("inf"),
+              float("-inf"), float("nan"), 2.0 ** 60, *rng.lognormal(0, 8, 2000).tolist(),
+              *(-rng.lognormal(0, 8, 200)).tolist(), *rng.integers(0, 10 ** 9, 500).astype(float).tolist()]
+    expected = [floatToGoString(v) for v in values]
+    assert [go_float(v) for v in values] == expected
+    assert go_floats(values) == expected
