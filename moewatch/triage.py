@@ -459,7 +459,8 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
     skewed = bool(hot) and m["expert_load_cv"] > t.expert_load_cv
     if hot:
         mean_expert = m["routed_pairs"] / w.num_experts
-        shown = ", ".join(f"{e} ({w.expert_tokens[layer, e] / mean_expert:.1f}x)" for e in hot[:5])
+        counts = w.expert_tokens[layer, hot[:5]].tolist()  # Python ints: no numpy scalar per expert
+        shown = ", ".join(f"{e} ({count / mean_expert:.1f}x)" for e, count in zip(hot[:5], counts))
         evidence.append(f"Hot experts (over {t.hot_expert_multiple:g}x the mean load): {shown}; "
                         f"expert load std/mean {m['expert_load_cv']:.2f}.")
     if m["expert_load_cv"] is None:
