@@ -133,18 +133,10 @@ class Exposition:
             return b"".join(out)
 
 
-def go_float(value: float) -> str:
-    """prometheus_client's floatToGoString, without its general path for the common case: Python's
-    repr is already Go's text for a finite float below 1e6 written without exponent."""
-    text = repr(float(value))
-    if text.find(".") <= 6 and text[-1] not in "fn":  # not inf/nan, and no Go exponent switch
-        return text
-    return floatToGoString(value)
-
-
 def go_floats(values: list[float]) -> list[str]:
-    """`go_float` of each value: repr for all, the general path only where Go's text can differ
-    (non-finite, or a magnitude of 1e6 and more, where Go switches to an exponent sooner)."""
+    """prometheus_client's floatToGoString of each value, without its general path for the common
+    case: Python's repr is already Go's text for a finite float under 1e6 in magnitude (Go switches
+    to an exponent sooner than Python above that, and spells inf and nan its own way)."""
     texts = list(map(repr, map(float, values)))
     magnitude = np.abs(np.asarray(values, dtype=np.float64))
     for i in np.flatnonzero(~(magnitude < 1e6)).tolist():
