@@ -21,8 +21,8 @@ import numpy as np
 from .family import Family, Histogram, Labels
 
 Chunk = tuple[str, ...]
-FamilyRef = Union[Family, str]
-_GROUP_OF = operator.itemgetter(0, 1)  # a per-group series' chunk: its (model, ep_group)  # a family, or (for readers and the transition) its exposed name
+FamilyRef = Union[Family, str]  # a family, or (for readers and the transition) its exposed name
+_GROUP_OF = operator.itemgetter(0, 1)  # a per-group series' chunk: its (model, ep_group)
 
 
 @dataclass
