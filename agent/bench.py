@@ -87,16 +87,95 @@ def triage_ms(window, repeats: int = 7) -> tuple[float, float]:
     return statistics.median(wall), statistics.median(cpu)
 
 
+def full_evidence_window(seed: int, **size: Any):
+    """A production-size window carrying everything a runtime sends: per-rank timings for every layer,
+    the traffic matrix [L][W][W], per-step data (production_window), plus per-rank totals and capacity
+    drops (a capacity factor in force; the four hottest experts of each layer lose 1-5 % of their
+    pairs, which were routed but never computed)."""
+    from moewatch.examples import production_window
+
+    w = production_window(seed, **size)
+    rng = np.random.default_rng(seed + 1)
+    kept = w.expert_tokens
+    hot = np.argsort(-kept, axis=1, kind="stable")[:, :4]
+    dropped = np.zeros_like(kept)
+    share = rng.uniform(0.01, 0.05, hot.shape)
+    np.put_along_axis(dropped, hot, (np.take_along_axis(kept, hot, axis=1) * share).astype(np.int64), axis=1)
+    L, W, P = w.num_layers, w.world_size, w.num_slots
+    return w.replace(expert_tokens=kept + dropped, dropped_tokens=dropped, capacity_factor=np.full(L, 1.25),
+                     rank_tokens=w.slot_tokens.reshape(L, W, P // W).sum(axis=2))
+
+
+PHASES = ("decode", "validate", "derive", "triage", "export", "plan", "scrape")
+
+
+def phase_cpu_ms(windows: list, repeats: int = 7) -> dict[str, float]:
+    """Median CPU milliseconds per window of each step the agent takes, run in this process the way
+    the agent runs them: decode (the frame's bytes to arrays, less validation), validate (the reader's
+    invariants), derive (the shared derived quantities and per-layer numbers, `layer_metrics`),
+    triage (`diagnose` with those cached), export (the window's series and the exposition's re-render),
+    plan (the policy's decision in recommend mode on the latest windows) and scrape (one /metrics copy)."""
+    from moewatch.agent import policy
+    from moewatch.agent.config import build_config
+    from moewatch.agent.params import from_config
+    from moewatch.agent.exporters import make_registry, render
+    from moewatch.agent.metrics.groups import init_group
+    from moewatch.agent.metrics.identity import init_static
+    from moewatch.agent.metrics.state import MetricsState
+    from moewatch.agent.metrics.windows import GroupExportMemory, record_window
+    from moewatch.agent.store import TriagedWindow
+    from moewatch.telemetry import Window
+    from moewatch.triage import diagnose, layer_metrics
+
+    cfg = build_config(environ={}, flags={"policy.mode": "recommend"})
+    thresholds = cfg.thresholds
+    state = MetricsState(cfg.exporters.expert_series_cap)
+    registry = make_registry(state)
+    init_static(state, "recommend")
+    memory, triaged = GroupExportMemory(), []
+    w0 = windows[0]
+    init_group(state, (w0.model, w0.ep_group))
+    payloads = [wire.encode(w)[wire.HEADER.size:] for w in windows]
+    samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
+
+    def timed(phase: str, fn, *args):
+        start = time.process_time()
+        out = fn(*args)
+        samples[phase].append((time.process_time() - start) * 1e3)
+        return out
+
+    for i in range(repeats + 2):  # the first two warm caches (label strings, imports) and are not counted
+        payload = payloads[i % len(payloads)]
+        window = timed("decode", Window.from_bytes, payload)  # decode and validate; validation is taken out below
+        timed("validate", window.replace)
+        timed("derive", layer_metrics, window, thresholds)
+        diagnosis = timed("triage", diagnose, window, thresholds)
+        timed("export", record_window, state, memory, window, diagnosis, cfg.exporters.expert_metrics)
+        triaged.append(TriagedWindow(window, diagnosis, time.time()))
+        view = policy.GroupView(num_gpus=w0.world_size, num_nodes=max(1, w0.world_size // w0.ranks_per_node),
+                                num_experts=w0.num_experts, num_slots=w0.num_slots, capabilities=frozenset(),
+                                windows=triaged[-cfg.policy.persist_windows:])
+        timed("plan", policy.decide, view, from_config(cfg).policy, time.time())
+        timed("scrape", render, registry)
+    medians = {phase: statistics.median(values[2:]) for phase, values in samples.items()}
+    # Reading a frame validates it: decode is what reading costs beyond validating the same fields.
+    medians["decode"] = max(medians["decode"] - medians["validate"], 0.0)
+    out = {phase: round(ms, 2) for phase, ms in medians.items()}
+    out["total"] = round(sum(out[phase] for phase in PHASES if phase != "scrape"), 2)
+    return out
+
+
 def run(layers: int = 58, experts: int = 256, slots: int = 320, ranks: int = 64, top_k: int = 8,
         rate: float = 1.0, seconds: float = 60.0, scrape_interval: float = 1.0, warmup_windows: int = 5,
         mode: str = "observe", seed: int = 0) -> dict[str, Any]:
     """Start an agent, feed it for `seconds` after `warmup_windows`, and measure it."""
-    from moewatch.examples import production_window
-
-    _progress(f"building windows: {layers} layers x {experts} experts, {slots} slots on {ranks} ranks, top-{top_k}")
-    windows = [production_window(seed + i, num_layers=layers, num_experts=experts, num_slots=slots,
-                                 world_size=ranks, top_k=top_k) for i in range(2)]
+    _progress(f"building windows: {layers} layers x {experts} experts, {slots} slots on {ranks} ranks, top-{top_k}, "
+              "full evidence")
+    windows = [full_evidence_window(seed + i, num_layers=layers, num_experts=experts, num_slots=slots,
+                                    world_size=ranks, top_k=top_k) for i in range(2)]
     triage = triage_ms(windows[0])
+    _progress("timing each phase in-process")
+    phases = phase_cpu_ms(windows)
     with tempfile.TemporaryDirectory(prefix="mwbench-", dir="/tmp") as tmp:
         sock_path, port = str(Path(tmp) / "agent.sock"), _free_port()
         url = f"http://127.0.0.1:{port}"
@@ -106,7 +185,7 @@ def run(layers: int = 58, experts: int = 256, slots: int = 320, ranks: int = 64,
         try:
             return _drive(agent, sock_path, url, windows, rate, seconds, scrape_interval, warmup_windows,
                           dict(layers=layers, experts=experts, slots=slots, ranks=ranks, top_k=top_k, rate=rate,
-                               seconds=seconds, mode=mode), triage)
+                               seconds=seconds, mode=mode), triage, phases)
         finally:
             agent.terminate()
             try:
@@ -117,8 +196,8 @@ def run(layers: int = 58, experts: int = 256, slots: int = 320, ranks: int = 64,
 
 
 def _drive(agent: subprocess.Popen, sock_path: str, url: str, windows: list, rate: float, seconds: float,
-           scrape_interval: float, warmup_windows: int, config: dict[str, Any], triage: tuple[float, float]
-           ) -> dict[str, Any]:
+           scrape_interval: float, warmup_windows: int, config: dict[str, Any], triage: tuple[float, float],
+           phases: dict[str, float]) -> dict[str, Any]:
     deadline = time.monotonic() + 60
     while not (os.path.exists(sock_path) and _ready(url)):
         if agent.poll() is not None or time.monotonic() > deadline:
@@ -192,12 +271,15 @@ def _drive(agent: subprocess.Popen, sock_path: str, url: str, windows: list, rat
         "windows_lagging": int(sent - processed),
         "rss_peak_mb": round(rss_peak, 1),
         "scrape_ms_p90": round(float(np.percentile(scrapes, 90)), 2) if scrapes else None,
+        "scrape_ms_p99": round(float(np.percentile(scrapes, 99)), 2) if scrapes else None,
         "scrape_ms_max": round(max(scrapes), 2) if scrapes else None,
         "scrapes": len(scrapes),
         "lag_max_windows": int(lag_max),
         "windows_sent": sent,
         "windows_processed": int(processed),
         "metrics_bytes": len(body),
+        "frame_bytes": len(wire.encode(windows[0])),
+        "phase_cpu_ms": phases,
         "series": sum(1 for line in body.splitlines() if line and not line.startswith(b"#")),
         "wall_seconds": round(t1 - t0, 2),
         "load_average_before": [round(x, 2) for x in load_before],
@@ -240,6 +322,9 @@ def agent(layers: int, experts: int, slots: int, ranks: int, top_k: int, rate: f
     if as_json:
         click.echo(json.dumps(result, indent=1))
         return
-    for key in CONTRACT_KEYS + ("triage_cpu_ms", "rss_peak_mb", "scrape_ms_p90", "lag_max_windows", "windows_sent",
-                                "windows_processed", "series", "load_average_before"):
+    for key in CONTRACT_KEYS + ("triage_cpu_ms", "rss_peak_mb", "scrape_ms_p90", "scrape_ms_p99", "lag_max_windows",
+                                "windows_sent", "windows_processed", "series", "frame_bytes", "load_average_before"):
         click.echo(f"{key:>22}  {result[key]}")
+    click.echo("CPU ms per window, by phase (in-process):")
+    for phase, ms in result["phase_cpu_ms"].items():
+        click.echo(f"{phase:>22}  {ms}")

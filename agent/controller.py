@@ -26,7 +26,8 @@ from moewatch.wire import Ack
 
 from . import policy, verification
 from .audit import AuditLog
-from .exporters import MetricsState
+from .metrics.actions import ACTIONS_TOTAL, ROLLBACKS_TOTAL
+from .metrics.state import MetricsState
 from .params import from_config
 from .store import GroupStore, Store, TriagedWindow
 
@@ -92,7 +93,7 @@ class Controller:
         return entry
 
     def _count(self, group: GroupStore, kind: str, result: str, n: int = 1) -> None:
-        self.metrics.inc("moewatch_actions_total", (*group.key, kind, result), n)
+        self.metrics[ACTIONS_TOTAL].inc((*group.key, kind, result), n)
 
     # --- decide and act -----------------------------------------------------------------------------
     def plan_tick(self) -> None:
@@ -220,7 +221,7 @@ class Controller:
                 self._record(group, "rolled_back", epoch=flight.plan.epoch, rollback_of=flight.rollback_of,
                              layers=list(flight.changed_layers), stall_seconds=ack.stall_seconds, step=ack.step)
                 # After the audit line: whoever sees the counter move can read why.
-                self.metrics.inc("moewatch_rollbacks_total", group.key)
+                self.metrics[ROLLBACKS_TOTAL].inc(group.key)
                 return None
             for d in flight.decisions:
                 self._count(group, d.kind, "applied")

@@ -28,7 +28,14 @@ from moewatch.wire import Ack, Heartbeat, Hello
 from .audit import AuditLog, jsonable
 from .config import AgentConfig
 from .controller import Controller
-from .exporters import MetricsState, init_group, init_jobs, init_static, make_registry, record_window, render
+from .exporters import make_registry, render
+from .metrics.connections import (CONNECTIONS_CLOSED_TOTAL, CONNECTIONS_REFUSED_TOTAL, FRAMES_RECEIVED_TOTAL,
+                                  FRAMES_REJECTED_TOTAL)
+from .metrics.groups import GROUPS_RETIRED_TOTAL, RUNTIME_CONNECTED, RUNTIME_FRAMES_DROPPED_TOTAL, init_group
+from .metrics.identity import init_static
+from .metrics.jobs import JOB_ERRORS_TOTAL, JOB_MISFIRES_TOTAL, init_jobs
+from .metrics.state import MetricsState
+from .metrics.windows import EPOCH, record_window
 from .health import Check, Health, HttpSecurity, SystemdNotifier, WebServer, health_body
 from .jobs import Jobs
 from .receiver import Connection, Limits, Receiver, TcpListenError
@@ -95,8 +102,8 @@ class Daemon:
         self.controller: Controller | None = None
         self.receiver: Receiver | None = None
         self.web: WebServer | None = None
-        self.jobs = Jobs(on_error=lambda job: self.metrics.inc("moewatch_job_errors_total", (job,)),
-                         on_misfire=lambda job: self.metrics.inc("moewatch_job_misfires_total", (job,)),
+        self.jobs = Jobs(on_error=lambda job: self.metrics[JOB_ERRORS_TOTAL].inc((job,)),
+                         on_misfire=lambda job: self.metrics[JOB_MISFIRES_TOTAL].inc((job,)),
                          log_interval=cfg.log.interval_seconds)
         self._throttle = Throttle(cfg.log.interval_seconds)
         self.health = Health()
@@ -129,19 +136,19 @@ class Daemon:
             raise StartupError(str(exc)) from None
         self.controller = Controller(cfg, self.store, self.metrics, self.audit, actuator)
         for reason in ("max_connections", "out_of_descriptors", "http_max_connections"):
-            self.metrics.inc("moewatch_connections_refused_total", (reason,), 0)
+            self.metrics[CONNECTIONS_REFUSED_TOTAL].inc((reason,), 0)
         for reason in ("slow_reader", "frame_deadline", "buffer_budget"):
-            self.metrics.inc("moewatch_connections_closed_total", (reason,), 0)
-        self.metrics.inc("moewatch_groups_retired_total", (), 0)
+            self.metrics[CONNECTIONS_CLOSED_TOTAL].inc((reason,), 0)
+        self.metrics[GROUPS_RETIRED_TOTAL].inc((), 0)
         limits = Limits(max_connections=cfg.limits.max_connections, frame_deadline=cfg.limits.frame_deadline_seconds,
                         buffer_budget=cfg.limits.buffer_budget_bytes, max_outbox_bytes=cfg.limits.max_outbox_bytes,
                         log_interval=cfg.log.interval_seconds)
         self.receiver = Receiver(cfg.server.socket, cfg.server.socket_mode_bits, cfg.limits.max_frame_bytes,
                                  on_message=self.handle_message, on_reject=self._on_reject,
-                                 on_frame=lambda t: self.metrics.inc("moewatch_frames_received_total", (t,)),
+                                 on_frame=lambda t: self.metrics[FRAMES_RECEIVED_TOTAL].inc((t,)),
                                  on_disconnect=self._on_disconnect, tcp=cfg.server.tcp_address, limits=limits,
                                  on_refused=self._on_refused,
-                                 on_closed=lambda r: self.metrics.inc("moewatch_connections_closed_total", (r,)))
+                                 on_closed=lambda r: self.metrics[CONNECTIONS_CLOSED_TOTAL].inc((r,)))
         try:
             self.receiver.start()
         except FileExistsError as exc:
@@ -274,7 +281,7 @@ class Daemon:
                 group.runtime_frames_dropped = msg.frames_dropped
             grown = msg.frames_dropped - previous if msg.frames_dropped >= previous else msg.frames_dropped
             if grown > 0:
-                self.metrics.inc("moewatch_runtime_frames_dropped_total", group.key, grown)
+                self.metrics[RUNTIME_FRAMES_DROPPED_TOTAL].inc(group.key, grown)
             return None
         if isinstance(msg, Plan):
             return "unexpected"  # plans flow agent -> runtime only
@@ -318,8 +325,8 @@ class Daemon:
             log.info("group %s/%s: runtime %s (pid %d) at epoch %d starts a new lineage", *key, hello.runtime,
                      hello.pid, hello.epoch)
             self.controller.abandon(group, f"runtime restarted (hello at epoch {hello.epoch})")
-        self.metrics.set("moewatch_runtime_connected", key, 1)
-        self.metrics.set("moewatch_epoch", key, hello.epoch)
+        self.metrics[RUNTIME_CONNECTED].set(key, 1)
+        self.metrics[EPOCH].set(key, hello.epoch)
         log.info("runtime %s (pid %d) connected: %s/%s, %d ranks, %d layers, %d experts in %d slots, epoch %d",
                  hello.runtime, hello.pid, *key, hello.world_size, hello.num_layers, hello.num_experts,
                  hello.num_slots, hello.epoch)
@@ -351,7 +358,7 @@ class Daemon:
 
     def _on_reject(self, conn: Connection | None, reason: str, detail: str, count: bool = True) -> None:
         if count:
-            self.metrics.inc("moewatch_frames_rejected_total", (reason,))
+            self.metrics[FRAMES_REJECTED_TOTAL].inc((reason,))
             if reason in ("invalid_hello", "hello_over_limit"):
                 return  # logged with its detail by _on_hello
         # Under attack every frame may be bad: one line per reason per interval, with a tally.
@@ -361,7 +368,7 @@ class Daemon:
                      f" ({held} more rejected for this reason since the last line)" if held else "")
 
     def _on_refused(self, reason: str) -> None:
-        self.metrics.inc("moewatch_connections_refused_total", (reason,))
+        self.metrics[CONNECTIONS_REFUSED_TOTAL].inc((reason,))
 
     def _on_disconnect(self, conn: Connection) -> None:
         if conn.group is None:
@@ -371,7 +378,7 @@ class Daemon:
                 del self._connections[conn.group]
         group = self.store.get(conn.group)
         if group is not None and group.on_disconnect(conn.id):
-            self.metrics.set("moewatch_runtime_connected", conn.group, 0)
+            self.metrics[RUNTIME_CONNECTED].set(conn.group, 0)
             log.info("runtime of %s/%s disconnected", *conn.group)
 
     # --- jobs ---------------------------------------------------------------------------------------
@@ -381,7 +388,7 @@ class Daemon:
         try:
             work()
         except Exception as exc:
-            self.metrics.inc("moewatch_job_errors_total", (job,))
+            self.metrics[JOB_ERRORS_TOTAL].inc((job,))
             if self._throttle(f"job:{job}:{group.key}") is not None:
                 log.exception("job %s failed for group %s/%s: %r", job, *group.key, exc)
 
@@ -411,7 +418,7 @@ class Daemon:
     def export_job(self) -> None:
         self.retire_groups()
         for group in self.store.groups():
-            self.metrics.set("moewatch_runtime_connected", group.key, 1 if group.connected else 0)
+            self.metrics[RUNTIME_CONNECTED].set(group.key, 1 if group.connected else 0)
         self.controller.check_timeouts()
         if self.audit is not None:
             self.audit.sync()
@@ -433,7 +440,7 @@ class Daemon:
             self.store.remove(group.key)
             self.controller.forget(group.key)
             self.metrics.remove_group(group.key)
-            self.metrics.inc("moewatch_groups_retired_total", ())
+            self.metrics[GROUPS_RETIRED_TOTAL].inc(())
             if self.audit is not None:
                 self.audit.record("group_retired", model=group.key[0], ep_group=group.key[1],
                                   idle_seconds=round(now - last, 3), windows=group.windows_accepted)

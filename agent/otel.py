@@ -22,20 +22,20 @@ from opentelemetry.sdk.resources import Resource
 
 from moewatch import __version__
 
-from .catalog import METRICS, MetricSpec
-from .exporters import BUCKETS, Labels, MetricsState
+from .catalog import BUCKETS, METRICS
+from .metrics.family import Family, Labels
+from .metrics.state import MetricsState
 
 log = logging.getLogger("moewatch.agent.otel")
 
 
-def instrument_name(spec: MetricSpec) -> str:
+def instrument_name(spec: Family) -> str:
     return spec.name[:-len("_total")] if spec.kind == "counter" else spec.name
 
 
-def unit_of(name: str) -> str:
-    if name.endswith("_seconds") or "_seconds_" in name:
-        return "s"
-    return "1"
+def unit_of(spec: Family) -> str:
+    """The OpenTelemetry unit (UCUM) of a family's declared unit."""
+    return {"seconds": "s", "bytes": "By"}.get(spec.unit, "1")
 
 
 class OtelBridge:
@@ -60,19 +60,19 @@ class OtelBridge:
         for spec in METRICS:
             name = instrument_name(spec)
             if spec.kind == "gauge":
-                meter.create_observable_gauge(name, callbacks=[self._reader(spec)], unit=unit_of(name),
+                meter.create_observable_gauge(name, callbacks=[self._reader(spec)], unit=unit_of(spec),
                                               description=spec.help)
             elif spec.kind == "counter":
-                meter.create_observable_counter(name, callbacks=[self._reader(spec)], unit=unit_of(name),
+                meter.create_observable_counter(name, callbacks=[self._reader(spec)], unit=unit_of(spec),
                                                 description=spec.help)
             else:
-                self._histograms[spec.name] = (spec, meter.create_histogram(name, unit=unit_of(name),
+                self._histograms[spec.name] = (spec, meter.create_histogram(name, unit=unit_of(spec),
                                                                             description=spec.help))
         state.observers.append(self._observe)
 
-    def _reader(self, spec: MetricSpec):
+    def _reader(self, spec: Family):
         def callback(options: CallbackOptions) -> Iterable[Observation]:
-            for labels, value in self.state.series(spec.name):
+            for labels, value in self.state.series(spec):
                 yield Observation(value, dict(zip(spec.labels, labels)))
         return callback
 

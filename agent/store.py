@@ -19,7 +19,7 @@ from moewatch.telemetry import Window
 from moewatch.triage import WindowDiagnosis
 from moewatch.wire import Hello
 
-from .exporters import GroupExportMemory
+from .metrics.windows import GroupExportMemory
 
 GroupKey = tuple[str, str]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .planner.metrics import dispatch_cross_shares
+from .planner.metrics import dispatch_cross_share
 
 
 def num_nodes(world_size: int, ranks_per_node: int) -> int:
@@ -57,8 +57,8 @@ def expected_cross_node_ratio(expert_tokens: np.ndarray, pmap: np.ndarray, world
                               ranks_per_node: int) -> np.ndarray:
     """[L, E] pairs per expert, [L, P] placement -> [L] cross-node share the placement predicts with
     tokens even over ranks and the runtime's replica choice (own rank, own node, any)."""
-    return dispatch_cross_shares(np.asarray(expert_tokens, dtype=np.float64), np.asarray(pmap), world_size,
-                                 num_nodes(world_size, ranks_per_node))[1]
+    return dispatch_cross_share(np.asarray(expert_tokens, dtype=np.float64), np.asarray(pmap),
+                                num_nodes(world_size, ranks_per_node))
 
 
 def cross_node_evidence(ratio: float | None, expected: float | None, world_size: int, ranks_per_node: int,

@@ -131,12 +131,16 @@ def pack_max_loads(items: np.ndarray, num_ranks: int, slots_per_rank: np.ndarray
     cols = np.arange(W)
     active = np.flatnonzero(ptr < todo)
     while active.size:
+        # Plain fancy indexing (rows x order) rather than take/put_along_axis: the same elements,
+        # without rebuilding the index grids on every batch.
+        rows = active[:, None]
         load, slots, at = loads[active], free[active], ptr[active]
         key = np.where(slots > 0, load, np.inf)
         order = np.argsort(key, axis=1, kind="stable")
-        key_sorted = np.take_along_axis(key, order, axis=1)  # full ranks last, at inf
-        slots_sorted = np.take_along_axis(slots, order, axis=1)
-        after = key_sorted + np.take_along_axis(x[active], at[:, None] + cols[None, :], axis=1)
+        local = np.arange(len(active))[:, None]
+        key_sorted = key[local, order]  # full ranks last, at inf
+        slots_sorted = slots[local, order]
+        after = key_sorted + x[rows, at[:, None] + cols[None, :]]
         # Item j goes to the j-th open rank if that rank is lighter than every rank given an item
         # earlier in the batch (and still open); equal is not certain (the index decides): stop.
         rivals = np.minimum.accumulate(np.where(slots_sorted > 1, after, np.inf), axis=1)
@@ -144,9 +148,8 @@ def pack_max_loads(items: np.ndarray, num_ranks: int, slots_per_rank: np.ndarray
         ok[:, 1:] = key_sorted[:, 1:] < rivals[:, :-1]
         ok &= np.isfinite(key_sorted) & (cols[None, :] < (todo[active] - at)[:, None])
         taken = np.logical_and.accumulate(ok, axis=1)
-        np.put_along_axis(load, order, np.where(taken, after, np.take_along_axis(load, order, axis=1)), axis=1)
-        np.put_along_axis(slots, order, slots_sorted - taken, axis=1)
-        loads[active], free[active] = load, slots
+        loads[rows, order] = np.where(taken, after, load[local, order])
+        free[rows, order] = slots_sorted - taken
         ptr[active] = at + taken.sum(axis=1)
         active = active[ptr[active] < todo[active]]
     return loads.max(axis=1)
@@ -315,10 +318,6 @@ def unknown_text(what: str, kind: str) -> str:
     return f"{what}: unknown (the window does not carry {_NEEDS[kind]})."
 
 
-def _column(values: np.ndarray | None, layer: int) -> Any:
-    return None if values is None else _finite(float(values[layer]))
-
-
 def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
     """The numbers behind each layer's verdict, JSON-ready (per-step values divide by w.steps).
     A number the window cannot support is None (null in JSON), never an estimate."""
@@ -354,24 +353,37 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
     expected_node = (None if w.expert_tokens is None else
                      topology.expected_cross_node_ratio(w.expert_tokens, w.physical_to_logical_map, w.world_size,
                                                         w.ranks_per_node))
-    routed = None if w.expert_tokens is None else w.expert_tokens.sum(axis=1)
-    dropped = None if w.dropped_tokens is None else w.dropped_tokens.sum(axis=1)
-    rerouted = None if w.rerouted_tokens is None else w.rerouted_tokens.sum(axis=1)
+    L = w.num_layers
+    # Each column converted once for all layers (a window of 58 layers is 20 columns, not 1,160 cells).
+    columns = {name: _finite_column(col, L) for name, col in cols.items()}
+    per_layer = {
+        "routed_pairs": _int_column(w.expert_tokens, L),
+        "dropped_pairs": _int_column(w.dropped_tokens, L),
+        "rerouted_pairs": _int_column(w.rerouted_tokens, L),
+        "rank_load": [None] * L if load is None else np.asarray(load).astype(np.int64).tolist(),
+        "busiest_rank": [None] * L if load is None else np.argmax(load, axis=1).tolist(),
+        "hot_experts": [None] * L if hot is None else hot,
+        "cross_node_ratio": _finite_column(cross_node, L),
+        "expected_cross_node_ratio": _finite_column(expected_node, L),
+    }
     out = []
-    for layer in range(w.num_layers):
-        row = {name: _column(col, layer) for name, col in cols.items()}
-        row.update({
-            "routed_pairs": None if routed is None else int(routed[layer]),
-            "dropped_pairs": None if dropped is None else int(dropped[layer]),
-            "rerouted_pairs": None if rerouted is None else int(rerouted[layer]),
-            "rank_load": None if load is None else [int(x) for x in load[layer]],
-            "busiest_rank": None if load is None else int(np.argmax(load[layer])),
-            "hot_experts": None if hot is None else hot[layer],
-            "cross_node_ratio": None if cross_node is None else _finite(float(cross_node[layer])),
-            "expected_cross_node_ratio": _column(expected_node, layer),
-        })
+    for layer in range(L):
+        row = {name: values[layer] for name, values in columns.items()}
+        row.update({name: values[layer] for name, values in per_layer.items()})
         out.append(row)
     return out
+
+
+def _finite_column(values: np.ndarray | None, num_layers: int) -> list[Any]:
+    """[L] values -> L JSON-safe floats (None where not finite, or all None without the values)."""
+    if values is None:
+        return [None] * num_layers
+    return [v if math.isfinite(v) else None for v in np.asarray(values, dtype=np.float64).tolist()]
+
+
+def _int_column(counts: np.ndarray | None, num_layers: int) -> list[int | None]:
+    """[L, E] counts -> L per-layer sums as ints (all None without the counts)."""
+    return [None] * num_layers if counts is None else counts.sum(axis=1).astype(np.int64).tolist()
 
 
 def diagnose_layer(w: Window, layer: int, m: dict[str, Any], t: Thresholds,
@@ -447,7 +459,8 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
     skewed = bool(hot) and m["expert_load_cv"] > t.expert_load_cv
     if hot:
         mean_expert = m["routed_pairs"] / w.num_experts
-        shown = ", ".join(f"{e} ({w.expert_tokens[layer, e] / mean_expert:.1f}x)" for e in hot[:5])
+        counts = w.expert_tokens[layer, hot[:5]].tolist()  # Python ints: no numpy scalar per expert
+        shown = ", ".join(f"{e} ({count / mean_expert:.1f}x)" for e, count in zip(hot[:5], counts))
         evidence.append(f"Hot experts (over {t.hot_expert_multiple:g}x the mean load): {shown}; "
                         f"expert load std/mean {m['expert_load_cv']:.2f}.")
     if m["expert_load_cv"] is None:

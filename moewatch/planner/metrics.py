@@ -84,17 +84,19 @@ def dispatch_cross_shares(load: np.ndarray, pmap: np.ndarray, num_gpus: int,
     node holds e: with tokens even over ranks, expert e leaves the rank with probability
     1 - (ranks holding e) / W and leaves the node with probability 1 - (nodes holding e) / N.
     """
-    E = load.shape[1]
-    ranks = (holders(pmap, E, num_gpus) > 0).sum(axis=2)
-    nodes = (holders(pmap, E, num_nodes) > 0).sum(axis=2)
+    return dispatch_cross_share(load, pmap, num_gpus), dispatch_cross_share(load, pmap, num_nodes)
+
+
+def dispatch_cross_share(load: np.ndarray, pmap: np.ndarray, num_groups: int) -> np.ndarray:
+    """[L, E] load, [L, P] placement -> [L] share of the pairs that leave their group of consecutive
+    slots (num_groups = W: the GPU, = N: the node); one half of `dispatch_cross_shares`, for a caller
+    that needs one (the per-GPU count is the costly one: L x E x W)."""
+    held = (holders(pmap, load.shape[1], num_groups) > 0).sum(axis=2)
     total = load.sum(axis=1)
     safe = np.where(total > 0, total, 1.0)
-    cross_gpu = (load * (1.0 - ranks / num_gpus)).sum(axis=1) / safe
-    cross_node = (load * (1.0 - nodes / num_nodes)).sum(axis=1) / safe
-    idle = total <= 0
-    cross_gpu[idle] = 0.0
-    cross_node[idle] = 0.0
-    return cross_gpu, cross_node
+    share = (load * (1.0 - held / num_groups)).sum(axis=1) / safe
+    share[total <= 0] = 0.0
+    return share
 
 
 def transition_cross_shares(transitions: np.ndarray, pmap: np.ndarray, num_gpus: int,

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from moewatch.agent.exporters import (GroupExportMemory, MetricsState, init_group, init_static, make_registry,
-                                      record_window, render)
+from moewatch.agent.exporters import make_registry, render
+from moewatch.agent.metrics.connections import FRAMES_REJECTED_TOTAL
+from moewatch.agent.metrics.groups import init_group
+from moewatch.agent.metrics.identity import init_static
+from moewatch.agent.metrics.state import MetricsState
+from moewatch.agent.metrics.windows import LAYER_RANK_LOAD_MAX_MIN, GroupExportMemory, record_window
 from moewatch.agent.store import GroupStore, TriagedWindow
 from moewatch.examples import SCENARIOS, partial_example, simulate
 from moewatch.triage import diagnose
@@ -25,15 +29,15 @@ def populated():
     w = partial_example("logical-only-hot-experts").replace(model="c")
     record_window(state, GroupExportMemory(), w, diagnose(w), expert_metrics=False)
     # Label values that need escaping, and an infinite value.
-    state.inc("moewatch_frames_rejected_total", ('odd "reason"\\with\nnewline',))
-    state.set("moewatch_layer_rank_load_max_min_ratio", ("a", "example", "9"), float("inf"))
+    state[FRAMES_REJECTED_TOTAL].inc(('odd "reason"\\with\nnewline',))
+    state[LAYER_RANK_LOAD_MAX_MIN].set(("a", "example", "9"), float("inf"))
     return state, registry, memories
 
 
 def test_cached_exposition_is_prometheus_clients_text_byte_for_byte():
     state, registry, memories = populated()
     assert render(registry) == generate_latest(registry)
-    state.remove("moewatch_layer_rank_load_max_min_ratio", ("a", "example", "9"))
+    state[LAYER_RANK_LOAD_MAX_MIN].remove(("a", "example", "9"))
     state.remove_group(("b", "example"))
     text = render(registry)
     assert text == generate_latest(registry)

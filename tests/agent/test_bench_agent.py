@@ -24,6 +24,7 @@ def test_bench_agent_prints_the_contract_keys():
     assert result["windows_sent"] == 10 and result["windows_processed"] == 10 and result["windows_lagging"] == 0
     assert result["cpu_per_window_s"] > 0 and 0 < result["cpu_share"] and result["rss_mb"] > 10
     assert result["scrape_ms_p50"] > 0 and result["triage_ms"] > 0 and result["scrapes"] >= 1
+    assert result["phase_cpu_ms"]["triage"] > 0 and result["scrape_ms_p99"] >= result["scrape_ms_p50"]
     assert result["config"] == {"layers": 3, "experts": 8, "slots": 8, "ranks": 2, "top_k": 2, "rate": 5.0,
                                 "seconds": 1.0, "mode": "observe"}
 
@@ -33,3 +34,18 @@ def test_bench_agent_rejects_impossible_sizes_with_exit_2():
                           "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == "" and "--slots 6" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_bench_windows_carry_every_evidence_and_each_phase_is_timed():
+    from moewatch.agent.bench import PHASES, full_evidence_window, phase_cpu_ms
+
+    windows = [full_evidence_window(seed, num_layers=4, num_experts=16, num_slots=24, world_size=8, top_k=2)
+               for seed in range(2)]
+    w = windows[0]
+    assert w.missing_evidence == [] and w.absent_fields == []
+    assert w.dropped_tokens.sum() > 0 and (w.capacity_factor > 0).all() and w.traffic.shape == (4, 8, 8)
+    assert (w.slot_tokens.sum(axis=1) == w.expert_tokens.sum(axis=1) - w.dropped_tokens.sum(axis=1)).all()
+    phases = phase_cpu_ms(windows, repeats=3)
+    assert set(phases) == {*PHASES, "total"}
+    assert all(phases[p] >= 0 for p in PHASES) and phases["triage"] > 0 and phases["export"] > 0
+    assert phases["total"] == pytest.approx(sum(phases[p] for p in PHASES if p != "scrape"), abs=0.05)

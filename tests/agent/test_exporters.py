@@ -8,7 +8,8 @@ import numpy as np
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from moewatch.agent.catalog import METRICS, exposed_names
-from moewatch.agent.exporters import HistogramValue, family_names, sample_names
+from moewatch.agent.exporters import family_names, sample_names
+from moewatch.agent.metrics.state import HistogramValue
 from moewatch.agent.otel import instrument_name
 from moewatch.examples import SCENARIOS, simulate
 

@@ -10,7 +10,8 @@ import pytest
 from moewatch import topology
 from moewatch.agent import policy
 from moewatch.agent.config import AgentConfig
-from moewatch.agent.exporters import GroupExportMemory, MetricsState, record_window
+from moewatch.agent.metrics.state import MetricsState
+from moewatch.agent.metrics.windows import GroupExportMemory, record_window
 from moewatch.agent.params import from_config
 from moewatch.agent.store import TriagedWindow
 from moewatch.planner import metrics as pm
