@@ -312,6 +312,8 @@ def validate(w: Window) -> None:
         if np.any(arr < 0):
             raise WindowError(name, "contains negative values")
 
+    _check_phase_times(w)
+
     pmap = w.physical_to_logical_map
     if np.any(pmap >= E):
         layer, slot = map(int, np.argwhere(pmap >= E)[0])
@@ -386,6 +388,32 @@ def validate(w: Window) -> None:
                       "row sums differ from local + sent")
         _check_layers("traffic", np.any(w.traffic.sum(axis=1) != w.local_tokens + w.received_tokens, axis=1),
                       "column sums differ from local + received")
+
+
+# A phase of a layer is timed inside it, so it cannot take longer than the layer: beyond this it is a
+# broken source, not timer granularity (a clock tick of up to 1 us per step read on each side of a
+# phase, and 0.1 % for clocks read on different streams or devices).
+PHASE_TIME_ABSOLUTE_SLACK_PER_STEP = 1e-6
+PHASE_TIME_RELATIVE_SLACK = 1e-3
+PHASE_TIME_FIELDS = ("dispatch_seconds", "combine_seconds", "compute_seconds")
+
+
+def _check_phase_times(w: Window) -> None:
+    """Per layer and rank, no phase time [L, W] exceeds layer_seconds [L, W] beyond the slack."""
+    if w.layer_seconds is None:
+        return
+    limit = (w.layer_seconds * (1.0 + PHASE_TIME_RELATIVE_SLACK)
+             + PHASE_TIME_ABSOLUTE_SLACK_PER_STEP * max(w.steps, 1))
+    for name in PHASE_TIME_FIELDS:
+        phase = getattr(w, name)
+        if phase is None:
+            continue
+        over = phase > limit
+        if over.any():
+            layer, rank = map(int, np.argwhere(over)[0])
+            raise WindowError(f"{name}[{layer}][{rank}]",
+                              f"{phase[layer, rank]:.9g} s exceeds the rank's layer_seconds "
+                              f"{w.layer_seconds[layer, rank]:.9g} s (a phase is timed inside its layer)")
 
 
 def _check_layers(name: str, bad: np.ndarray, message: str, per_element: bool = False) -> None:
