@@ -30,6 +30,7 @@ import numpy as np
 
 from moewatch import telemetry as tm
 from moewatch import topology
+from moewatch.capacity import capacity_for_windows
 from moewatch.planner import cost
 from moewatch.planner import metrics as pm
 
@@ -366,7 +367,9 @@ def choose_levers(view: GroupView, cfg, evidence: Sequence[TriagedWindow], now: 
                 skip("placement", layer, f"{label} for {k} windows but the triage names no action to take")
         if layer in overflowing and first["capacity"] is not None:
             if "capacity" in view.capabilities:
-                capacity[layer] = (float(first["capacity"].params["value"]), False)
+                # The per-step solve over the evidence windows: one window's average understates C.
+                wanted = capacity_for_windows([e.window for e in evidence], layer, cfg.thresholds.overflow_target)
+                capacity[layer] = (min(wanted, cfg.thresholds.max_capacity_factor), False)
             else:
                 skip("capacity", layer, f"{label}: the runtime does not take a capacity factor")
     return decisions, placement, capacity

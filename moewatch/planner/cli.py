@@ -16,7 +16,7 @@ import numpy as np
 
 from ..plan import Plan, PlanError
 from .affinity import transitions_from_trace
-from .capacity import capacity_for_target
+from ..capacity import capacity_for_target
 from .cost import CostModel, fit as fit_cost_model, sweep
 from .files import PLAN_FORMATS, FileFormatError, read_affinity, read_load, read_plan, write_plan
 from .metrics import PlacementShapeError

@@ -131,6 +131,21 @@ def test_capacity_raise_is_bounded(helpers):
     assert all(d.result == "skipped" and "bound" in d.reason for d in at_bound.decisions if d.kind == "capacity")
 
 
+def test_capacity_raise_is_the_per_step_solve_over_the_evidence_windows():
+    from moewatch.capacity import capacity_for_windows
+    from moewatch.examples import scenario, simulate
+
+    s = scenario("overflow", world_size=4, num_experts=8, num_layers=2)
+    windows = [TriagedWindow(w, diagnose(w), 0.0) for w in
+               (simulate(s, seed=i, start_time=1000.0 + 10 * i) for i in range(3))]
+    c = cfg(capacity_factor_max=8.0)
+    proposal = policy.decide(view(windows, num_experts=8, num_slots=8), c, 0.0)
+    wanted = [capacity_for_windows([e.window for e in windows], layer, c.thresholds.overflow_target)
+              for layer in range(2)]
+    expected = [min(max(x, c.capacity_factor_min), c.thresholds.max_capacity_factor) for x in wanted]
+    assert proposal.capacity_factor.tolist() == pytest.approx(expected)
+
+
 def test_verify_keeps_a_good_plan_and_rolls_back_a_bad_one(helpers):
     load = helpers.hot_load(L, E)
     old = helpers.contiguous(L, E, P)

@@ -5,22 +5,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moewatch.planner import capacity, cost, metrics, solve_placement
+from moewatch import capacity
+from moewatch.planner import cost, metrics, solve_placement
 
 
-def test_overflow_rate_by_hand():
+def test_step_overflow_rate_by_hand():
     # one step, one layer, experts [6, 2, 2, 2]: mean 3; at C = 1 capacity 3 -> 3 of 12 pairs overflow
     steps = np.array([[[6.0, 2.0, 2.0, 2.0]]])
-    assert capacity.overflow_rate(steps, np.array([1.0])) == pytest.approx([0.25])
-    assert capacity.overflow_rate(steps, np.array([2.0])) == pytest.approx([0.0])
+    assert capacity.step_overflow_rate(steps, np.array([1.0])) == pytest.approx([0.25])
+    assert capacity.step_overflow_rate(steps, np.array([2.0])) == pytest.approx([0.0])
 
 
 def test_capacity_is_the_smallest_factor_meeting_the_target(rng):
     steps = rng.poisson(rng.lognormal(3, 0.7, size=(1, 3, 32)), size=(40, 3, 32)).astype(float)
     result = capacity.capacity_for_target(steps, top_k=4, target=0.01, hidden_bytes=100)
     c = result.capacity_factor
-    assert (capacity.overflow_rate(steps, c) <= 0.01).all()
-    assert (capacity.overflow_rate(steps, c - 0.002) > 0.01).all()  # rounded up to 1e-3 only
+    assert (capacity.step_overflow_rate(steps, c) <= 0.01).all()
+    assert (capacity.step_overflow_rate(steps, c - 0.002) > 0.01).all()  # rounded up to 1e-3 only
     assert np.allclose(result.buffer_pairs, c * steps.sum(axis=2).max(axis=0))
     assert np.allclose(result.buffer_bytes, 100 * result.buffer_pairs)
     assert np.allclose(result.tokens_per_step, steps[:, 0].sum(axis=1) / 4)
