@@ -32,7 +32,7 @@ from moewatch import telemetry as tm
 from moewatch import topology
 from moewatch.capacity import capacity_for_windows
 from moewatch.planner import cost
-from moewatch.planner import metrics as pm
+from moewatch.planner import placement_math as pm
 
 from .store import TriagedWindow
 

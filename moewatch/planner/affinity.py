@@ -8,7 +8,7 @@ The objective counts a token's consecutive-layer pairs (every one of its k exper
 every one of its k experts at l + 1) that stay on one GPU (and, with several nodes, on one node)
 when the token stays on its expert's GPU between layers: the execution where this pays off is
 ExFlow's one all-to-all per layer. With the usual dispatch-and-return all-to-all each layer starts
-from the token's own rank again, and only the dispatch shares (metrics.dispatch_cross_shares)
+from the token's own rank again, and only the dispatch shares (placement_math.dispatch_cross_shares)
 matter.
 
 Method (affinity_placement): start from the balanced plan; group layer 0's experts by where their
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import balancedness, holders, pairs_from_groups, pairs_reaching_groups, replica_counts_of
+from .placement_math import balancedness, holders, pairs_from_groups, pairs_reaching_groups, replica_counts_of
 from .packing import refine_by_swaps, replica_weights, replicas_in_order
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import eplb_reference as eplb
 from .affinity import load_from_trace, transitions_from_trace
-from .metrics import balancedness, contiguous_placement, dispatch_cross_shares, transition_cross_shares
+from .placement_math import balancedness, contiguous_placement, dispatch_cross_shares, transition_cross_shares
 from .movement import align_to_current
 from .solve import solve_placement
 from .synthetic import LOAD_KINDS, affinity_trace, drifted, popularity, sample_load

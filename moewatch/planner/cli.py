@@ -19,7 +19,7 @@ from .affinity import transitions_from_trace
 from ..capacity import capacity_for_target
 from .cost import CostModel, fit as fit_cost_model, sweep
 from .files import PLAN_FORMATS, FileFormatError, read_affinity, read_load, read_plan, write_plan
-from .metrics import PlacementShapeError
+from .placement_math import PlacementShapeError
 from .solve import solve_placement
 
 

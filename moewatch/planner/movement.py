@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import balancedness, gpu_load, holders, replica_counts_of
+from .placement_math import balancedness, gpu_load, holders, replica_counts_of
 from .packing import refine_by_swaps, replica_weights
 
 

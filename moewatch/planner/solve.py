@@ -20,7 +20,7 @@ import numpy as np
 
 from ..plan import PlanError, check_placement
 from .affinity import affinity_placement
-from .metrics import (PlacementShapeError, balancedness, check_sizes, contiguous_placement,
+from .placement_math import (PlacementShapeError, balancedness, check_sizes, contiguous_placement,
                       dispatch_cross_shares, experts_moved, transition_cross_shares)
 from .movement import align_to_current, minimal_movement
 from .packing import pack

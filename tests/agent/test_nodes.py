@@ -12,7 +12,7 @@ from moewatch.agent import policy
 from moewatch.agent.config import build_config
 from moewatch.agent.exporters import GroupExportMemory, MetricsState, record_window
 from moewatch.agent.store import TriagedWindow
-from moewatch.planner import metrics as pm
+from moewatch.planner import placement_math as pm
 from moewatch.triage import diagnose
 
 W, L, E, P = 4, 2, 8, 12  # 2 nodes of 2 ranks

@@ -8,7 +8,7 @@ import pytest
 from moewatch.agent import policy
 from moewatch.agent.config import build_config
 from moewatch.agent.store import TriagedWindow
-from moewatch.planner import metrics as pm
+from moewatch.planner import placement_math as pm
 from moewatch.triage import diagnose
 
 W, L, E, P = 4, 2, 8, 12

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moewatch import capacity
-from moewatch.planner import cost, metrics, solve_placement
+from moewatch.planner import cost, placement_math, solve_placement
 
 
 def test_step_overflow_rate_by_hand():
@@ -46,7 +46,7 @@ def test_expected_traffic_follows_the_replica_choice(rng):
     traffic = cost.expected_traffic(load, pmap, 8, 2)
     assert np.allclose(traffic.sum(axis=(1, 2)), load.sum(axis=1))
     local = np.trace(traffic, axis1=1, axis2=2) / load.sum(axis=1)
-    cross_gpu, cross_node = metrics.dispatch_cross_shares(load, pmap, 8, 2)
+    cross_gpu, cross_node = placement_math.dispatch_cross_shares(load, pmap, 8, 2)
     assert np.allclose(1 - local, cross_gpu)
     per = cost.rank_traffic(traffic, 2)
     assert np.allclose(per["send_inter"].sum(axis=1) / load.sum(axis=1), cross_node)
@@ -110,6 +110,6 @@ def test_cost_model_from_dict_rejects_bad_parameters():
 def test_layer_seconds_prefers_the_balanced_plan(rng):
     load = rng.lognormal(0, 1.5, size=(2, 32)) * 200
     balanced = solve_placement(load, 8, 40).physical_to_logical_map
-    contiguous = metrics.contiguous_placement(2, 32, 40)
+    contiguous = placement_math.contiguous_placement(2, 32, 40)
     gain = cost.plan_gain_seconds(cost.CostModel(), load, contiguous, balanced, 8, 14336)
     assert gain > 0
