@@ -158,7 +158,7 @@ def make_baseline(windows: Sequence[TriagedWindow], layer: int, old_map: np.ndar
     """A layer's state before a change, from the windows the decision used. old_map: [P]."""
     load = computed_load(windows)[layer:layer + 1]
     measured = _mean_metric(windows, layer, "balancedness")
-    model = float(pm.balancedness(load, old_map[None, :], num_gpus)[0])
+    model = float(pm.placement_balancedness(load, old_map[None, :], num_gpus)[0])
     busiest = float(pm.gpu_load(load, old_map[None, :], num_gpus).max())
     return LayerBaseline(layer, measured, _mean_metric(windows, layer, "layer_seconds_per_step"),
                          _mean_metric(windows, layer, "compute_seconds_per_step"), busiest, measured - model,
@@ -386,8 +386,8 @@ def placement_proposals(view: GroupView, cfg, evidence: Sequence[TriagedWindow],
     verdicts = persistent_verdicts(evidence, k)
     load = computed_load(evidence)
     proposed = propose_placement(load, current_map, view.num_gpus, view.num_nodes, cfg.max_replicas_per_expert)
-    model_before = pm.balancedness(load, current_map, view.num_gpus)
-    model_after = pm.balancedness(load, proposed, view.num_gpus)
+    model_before = pm.placement_balancedness(load, current_map, view.num_gpus)
+    model_after = pm.placement_balancedness(load, proposed, view.num_gpus)
     moved = pm.experts_moved(current_map, proposed)
     counts_before = pm.replica_counts_of(current_map, view.num_experts)
     counts_after = pm.replica_counts_of(proposed, view.num_experts)
@@ -505,7 +505,7 @@ def _layer_evidence(base: LayerBaseline, window: TriagedWindow, num_gpus: int) -
     metrics = window.diagnosis.layers[layer].metrics
     load = computed_load([window])[layer:layer + 1]
     old_row = base.old_map[None, :]
-    old_model = float(pm.balancedness(load, old_row, num_gpus)[0])
+    old_model = float(pm.placement_balancedness(load, old_row, num_gpus)[0])
     growth = (float(pm.gpu_load(load, old_row, num_gpus).max()) / base.model_max_gpu_load
               if base.model_max_gpu_load > 0 else 1.0)
     speed = 1.0

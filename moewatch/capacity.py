@@ -7,7 +7,7 @@ step (N tokens, top-k, E experts), that is C times the mean pairs per expert in 
 beyond it overflow (dropped or re-routed). C = 0 (or below) is dropless: nothing overflows.
 
 Two solves, on two kinds of evidence:
-- `window_capacities_for_overflow`: one load per row (a window's routed pairs [E] per layer) taken
+- `mean_load_capacities`: one load per row (a window's routed pairs [E] per layer) taken
   as the shape of every step; exact (the overflow is piecewise linear in C). Window averages
   understate per-step spread, and so C: it is what the triage can say from one window.
 - `capacity_for_target`: per-step loads [S, L, E] replayed step by step; the overflow only falls as C
@@ -81,12 +81,12 @@ def step_overflow_rate(step_loads: np.ndarray, capacity_factor: np.ndarray) -> n
     return out
 
 
-def window_overflow_rates(expert_load: np.ndarray, capacity_factor: np.ndarray) -> np.ndarray:
+def mean_load_overflow_rates(expert_load: np.ndarray, capacity_factor: np.ndarray) -> np.ndarray:
     """[R, E] loads, [R] C -> [R] share of routed pairs over capacity (C x mean), each row one step."""
     return step_overflow_rate(np.asarray(expert_load, dtype=np.float64)[None], capacity_factor)
 
 
-def window_capacities_for_overflow(expert_load: np.ndarray, target: float) -> np.ndarray:
+def mean_load_capacities(expert_load: np.ndarray, target: float) -> np.ndarray:
     """Per row, the smallest C (capacity = C x mean expert load) whose overflow share of the routed
     pairs stays at or under `target`, taking the row's shares to hold at every step.
     expert_load: [R, E] (pair counts) -> [R]; 0.0 for an idle row.

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import telemetry as tm
 from . import topology
-from .capacity import round_up_capacity, window_capacities_for_overflow, window_overflow_rates
+from .capacity import round_up_capacity, mean_load_capacities, mean_load_overflow_rates
 from .telemetry import Window
 from .thresholds import Thresholds
 
@@ -218,7 +218,7 @@ def predict(w: Window, metrics: list[dict[str, Any]], t: Thresholds, layers: np.
         hot_lists[layer] = metrics[layer]["hot_experts"] or [
             int(e) for e in np.argsort(-expert_load[layer], kind="stable")[:max(1, W // 2)]]
     extra = np.array([max(len(h), W // 2) for h in hot_lists], dtype=np.int64)
-    capacity = round_up_capacity(window_capacities_for_overflow(routed, t.overflow_target))
+    capacity = round_up_capacity(mean_load_capacities(routed, t.overflow_target))
     nan = np.full(L, np.nan)
     rep_max, place_max, cap_max, cap_overflow = nan.copy(), nan.copy(), nan.copy(), nan.copy()
     if len(layers) and tm.rank_load(w) is not None:
@@ -235,7 +235,7 @@ def predict(w: Window, metrics: list[dict[str, Any]], t: Thresholds, layers: np.
             mean = routed[capped_layers].mean(axis=1)
             capped = np.minimum(routed[capped_layers], (capacity[capped_layers] * mean)[:, None])
             groups.append((capped, np.full(len(capped_layers), spr), cap_max, capped_layers))
-            cap_overflow[capped_layers] = window_overflow_rates(routed[capped_layers], capacity[capped_layers])
+            cap_overflow[capped_layers] = mean_load_overflow_rates(routed[capped_layers], capacity[capped_layers])
         width = max(g[0].shape[1] for g in groups)
         items = np.concatenate([np.pad(g[0], ((0, 0), (0, width - g[0].shape[1]))) for g in groups])
         result = pack_max_loads(items, W, np.concatenate([g[1] for g in groups]))
@@ -499,11 +499,11 @@ def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds, verdi
 
     if overflow:
         routed = w.expert_tokens[layer:layer + 1]
-        value = min(round_up_capacity(float(window_capacities_for_overflow(routed, t.overflow_target)[0])),
+        value = min(round_up_capacity(float(mean_load_capacities(routed, t.overflow_target)[0])),
                     t.max_capacity_factor)
         current = float(w.capacity_factor[layer])
         value = max(value, current)
-        left = float(window_overflow_rates(routed, np.array([value]))[0])
+        left = float(mean_load_overflow_rates(routed, np.array([value]))[0])
         actions.append(Action("capacity", 0.0,
                               f"Raise the capacity factor from {current:g} to {value:g}: predicted overflow "
                               f"{m['overflow_rate']:.1%} -> {left:.1%} (more expert memory, no latency gain).",

@@ -62,7 +62,7 @@ def balancedness_of_gpu_load(per_gpu: np.ndarray) -> np.ndarray:
     return out
 
 
-def balancedness(load: np.ndarray, pmap: np.ndarray, num_gpus: int) -> np.ndarray:
+def placement_balancedness(load: np.ndarray, pmap: np.ndarray, num_gpus: int) -> np.ndarray:
     """[L, E] load, [L, P] placement -> [L] balancedness."""
     return balancedness_of_gpu_load(gpu_load(load, pmap, num_gpus))
 

@@ -45,8 +45,8 @@ def test_hot_expert_is_replicated_and_balancedness_rises(helpers):
     counts = pm.replica_counts_of(proposal.physical_to_logical_map, E)
     assert (counts[:, 0] > 1).all(), "the hot expert got replicas"
     assert (counts <= 4).all()
-    before = pm.balancedness(load.astype(float), pmap, W)
-    after = pm.balancedness(load.astype(float), proposal.physical_to_logical_map, W)
+    before = pm.placement_balancedness(load.astype(float), pmap, W)
+    after = pm.placement_balancedness(load.astype(float), proposal.physical_to_logical_map, W)
     assert (after > before + 0.1).all()
     # The decision carries its numbers, before and after.
     d = proposal.decisions[0]

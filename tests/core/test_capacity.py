@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 
 from moewatch.capacity import (capacity_for_target, capacity_for_windows, expert_capacity, round_up_capacity,
-                               step_overflow_rate, window_capacities_for_overflow, window_overflow_rates)
+                               step_overflow_rate, mean_load_capacities, mean_load_overflow_rates)
 
 
 def test_the_window_solve_is_the_per_step_solve_of_one_step():
     rng = np.random.default_rng(3)
     load = rng.integers(0, 500, size=(6, 16)).astype(np.float64)
-    exact = window_capacities_for_overflow(load, 0.02)
+    exact = mean_load_capacities(load, 0.02)
     replayed = capacity_for_target(load[None], target=0.02).capacity_factor
     assert replayed == pytest.approx(round_up_capacity(exact, 1e-3))
-    assert window_overflow_rates(load, exact) == pytest.approx(step_overflow_rate(load[None], exact))
+    assert mean_load_overflow_rates(load, exact) == pytest.approx(step_overflow_rate(load[None], exact))
 
 
 def test_dropless_overflows_nothing():
@@ -33,7 +33,7 @@ def test_spread_between_windows_raises_c_over_the_average():
     windows = [SimpleNamespace(expert_tokens=np.array([row]), steps=10) for row in loads]
     windows.append(SimpleNamespace(expert_tokens=None, steps=10))  # per-rank totals only: left out
     rows = np.array(loads, dtype=np.float64)
-    average = window_capacities_for_overflow(rows.sum(axis=0)[None], 0.01)[0]
+    average = mean_load_capacities(rows.sum(axis=0)[None], 0.01)[0]
     per_step = capacity_for_windows(windows, 0, 0.01)
     assert per_step > 2 * average
     assert step_overflow_rate(rows[:, None, :], np.array([per_step]))[0] <= 0.01

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from moewatch import telemetry as tm
 from moewatch.examples import SCENARIOS, simulate
 from moewatch.thresholds import Thresholds
-from moewatch.capacity import window_capacities_for_overflow, window_overflow_rates
+from moewatch.capacity import mean_load_capacities, mean_load_overflow_rates
 from moewatch.triage import diagnose, pack_max_load
 
 W = 4
@@ -149,11 +149,11 @@ def test_summary_ranks_unhealthy_layers_first_and_names_the_slowest_rank():
 
 def test_capacity_for_overflow_solves_the_overflow_equation():
     load = np.array([[100.0, 40, 30, 30]])  # mean 50
-    c = window_capacities_for_overflow(load, 0.05)  # budget 10 pairs: cap at 90 -> C = 1.8
+    c = mean_load_capacities(load, 0.05)  # budget 10 pairs: cap at 90 -> C = 1.8
     assert c == pytest.approx([1.8])
-    assert window_overflow_rates(load, c) == pytest.approx([0.05])
-    assert window_capacities_for_overflow(load, 0.0) == pytest.approx([2.0])
-    assert window_capacities_for_overflow(np.zeros((1, 4)), 0.01).tolist() == [0.0]
+    assert mean_load_overflow_rates(load, c) == pytest.approx([0.05])
+    assert mean_load_capacities(load, 0.0) == pytest.approx([2.0])
+    assert mean_load_capacities(np.zeros((1, 4)), 0.01).tolist() == [0.0]
 
 
 def test_pack_max_load_respects_slots_per_rank():

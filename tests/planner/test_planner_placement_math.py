@@ -13,11 +13,11 @@ def test_balancedness_splits_an_expert_evenly_over_its_replicas():
     load = np.array([[8.0, 2.0, 6.0]])
     pmap = np.array([[0, 1, 0, 2]])
     assert placement_math.gpu_load(load, pmap, 2).tolist() == [[6.0, 10.0]]
-    assert placement_math.balancedness(load, pmap, 2) == pytest.approx([8.0 / 10.0])
+    assert placement_math.placement_balancedness(load, pmap, 2) == pytest.approx([8.0 / 10.0])
 
 
 def test_idle_layer_reads_balanced():
-    assert placement_math.balancedness(np.zeros((1, 2)), np.array([[0, 1]]), 2).tolist() == [1.0]
+    assert placement_math.placement_balancedness(np.zeros((1, 2)), np.array([[0, 1]]), 2).tolist() == [1.0]
 
 
 def test_dispatch_shares_follow_own_rank_then_own_node():
