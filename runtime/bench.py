@@ -55,7 +55,7 @@ class _SelfTimedProbe:
 
 def _bench_rank(rank: int, world_size: int, cfg: RuntimeConfig, windows_measured: int, block: int, window: int,
                 warmup: int) -> dict:
-    from .engine import EPEngine
+    from .ep_rank import EPEngine
     from .launcher import build_probe
     from .model import input_batch
     from .workload import Workload
