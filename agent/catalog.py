@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moewatch.vocabulary import COUNTED_RESULTS, DECISION_KINDS
+
 GROUP = ("model", "ep_group")
 LAYER = (*GROUP, "layer")
 
@@ -103,8 +105,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moewatch_runtime_frames_dropped_total", "counter", GROUP,
                "Frames the runtime's probe dropped because the agent was absent or slow."),
     MetricSpec("moewatch_actions_total", "counter", (*GROUP, "kind", "result"),
-               "Decisions by kind (replicate, capacity, placement, rollback) and result "
-               "(recommended, applied, skipped, failed, rolled_back)."),
+               f"Decisions by kind ({', '.join(DECISION_KINDS)}) and result ({', '.join(COUNTED_RESULTS)})."),
     MetricSpec("moewatch_rollbacks_total", "counter", GROUP, "Plans rolled back after verification."),
     MetricSpec("moewatch_layer_unhealthy_windows", "gauge", LAYER,
                "Consecutive windows with a verdict other than healthy."),

@@ -24,6 +24,7 @@ from moewatch import __version__
 from moewatch import telemetry as tm
 from moewatch.telemetry import Window
 from moewatch.triage import WindowDiagnosis
+from moewatch.vocabulary import COUNTED_RESULTS, DECISION_KINDS
 
 from .catalog import A2A_STEP_BUCKETS, BY_NAME, EXPERT_LOAD_SHARE_BUCKETS, METRICS, STEP_BUCKETS
 
@@ -514,8 +515,8 @@ def init_static(state: MetricsState, mode: str) -> None:
     state.set("moewatch_agent_info", (__version__,), 1.0)
 
 
-ACTION_KINDS = ("replicate", "placement", "capacity", "batch", "rollback")
-ACTION_RESULTS = ("recommended", "applied", "skipped", "failed", "rolled_back")
+ACTION_KINDS = DECISION_KINDS
+ACTION_RESULTS = COUNTED_RESULTS
 
 
 def init_group(state: MetricsState, group: tuple[str, str]) -> None:

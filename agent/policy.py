@@ -31,6 +31,7 @@ import numpy as np
 from moewatch import telemetry as tm
 from moewatch import topology
 from moewatch.capacity import capacity_for_windows
+from moewatch.vocabulary import DECISION_KINDS
 from moewatch.planner import cost
 from moewatch.planner import placement_math as pm
 
@@ -40,7 +41,7 @@ PLACEMENT_KINDS = ("replicate", "placement")
 # Engines that take no placement from outside: for their windows the agent works out what it would
 # change and says so, but never proposes a plan to send (docs/integrations.md).
 OBSERVE_ONLY_RUNTIMES = {"vllm": "vLLM takes no placement from outside: moewatch observes and recommends only"}
-KINDS = ("replicate", "placement", "capacity", "batch", "rollback")
+KINDS = DECISION_KINDS
 
 
 @dataclass(frozen=True)

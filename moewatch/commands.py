@@ -11,9 +11,9 @@ import click
 from .telemetry import Window, WindowError
 from .thresholds import ConfigError, thresholds_from_cli, thresholds_options
 from .triage import VERDICTS, WindowDiagnosis, diagnose as triage_window
+from .vocabulary import TERMINAL_COLOURS
 
 # Verdict order for --fail-on and the table's colour.
-_COLOURS = {"healthy": "green", "comm-bound": "yellow", "imbalance-bound": "red"}
 
 
 def fail_input(message: str) -> None:
@@ -84,7 +84,7 @@ def format_table(diagnosis: WindowDiagnosis, colour: bool) -> str:
     for row in rows:
         cells = [c.ljust(w) for c, w in zip(row, widths)]
         if colour:
-            cells[1] = click.style(cells[1], fg=_COLOURS[row[1]])
+            cells[1] = click.style(cells[1], fg=TERMINAL_COLOURS[row[1]])
         lines.append("  ".join(cells) + "  " + row[-1])
     return "\n".join(lines)
 

@@ -38,14 +38,11 @@ import numpy as np
 
 from . import telemetry as tm
 from . import topology
-from .capacity import round_up_capacity, mean_load_capacities, mean_load_overflow_rates
+from .capacity import mean_load_capacities, mean_load_overflow_rates, round_up_capacity
 from .telemetry import Window
 from .thresholds import Thresholds
 
-HEALTHY, COMM_BOUND, IMBALANCE_BOUND = "healthy", "comm-bound", "imbalance-bound"
-VERDICTS = (HEALTHY, COMM_BOUND, IMBALANCE_BOUND)
-CAUSES = ("volume", "placement", "small-batch", "hot-experts", "straggler")
-ACTION_KINDS = ("replicate", "capacity", "placement", "batch")
+from .vocabulary import ACTION_KINDS, CAUSES, COMM_BOUND, HEALTHY, IMBALANCE_BOUND, VERDICTS  # noqa: F401
 
 
 @dataclass(frozen=True)
