@@ -19,7 +19,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import FieldError
+from .checks import (check_at_least_one, check_placement, check_ranks_per_node, check_slots_divide,
+                     check_slots_hold_experts)
+from .errors import InputError
 
 SCHEMA = "moewatch.window/v1"
 
@@ -86,7 +88,7 @@ SCALAR_FIELDS: dict[str, type] = {
 }
 
 
-class WindowError(FieldError):
+class WindowError(InputError):
     """A window broke the contract; `field` names the first offending field."""
 
 
@@ -280,21 +282,17 @@ def validate(w: Window) -> None:
     """Check every invariant of WINDOW.md; raise WindowError naming the first broken field."""
     if w.schema != SCHEMA:
         raise WindowError("schema", f"unknown schema {w.schema!r}")
-    for name in ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node"):
-        if getattr(w, name) < 1:
-            raise WindowError(name, "must be at least 1")
+    check_at_least_one(((name, getattr(w, name)) for name in
+                        ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node")), WindowError)
     for name in ("epoch", "steps", "hidden_bytes"):
         if getattr(w, name) < 0:
             raise WindowError(name, "must be non-negative")
     if w.start_time < 0 or w.end_time < w.start_time:
         raise WindowError("end_time", "must not be before start_time (and both non-negative)")
     L, E, P, W = w.num_layers, w.num_experts, w.num_slots, w.world_size
-    if P < E:
-        raise WindowError("num_slots", f"{P} slots cannot hold {E} experts")
-    if P % W:
-        raise WindowError("num_slots", f"{P} slots do not divide over {W} ranks")
-    if W % w.ranks_per_node and w.ranks_per_node < W:
-        raise WindowError("ranks_per_node", f"{W} ranks do not split into nodes of {w.ranks_per_node}")
+    check_slots_hold_experts(P, E, WindowError)
+    check_slots_divide(P, W, WindowError)
+    check_ranks_per_node(W, w.ranks_per_node, WindowError)
     if w.top_k > E:
         raise WindowError("top_k", f"top_k {w.top_k} exceeds {E} experts")
     sizes = {"L": L, "E": E, "P": P, "W": W, "S": w.steps}
@@ -314,16 +312,7 @@ def validate(w: Window) -> None:
 
     _check_phase_times(w)
 
-    pmap = w.physical_to_logical_map
-    if np.any(pmap >= E):
-        layer, slot = map(int, np.argwhere(pmap >= E)[0])
-        raise WindowError("physical_to_logical_map",
-                          f"layer {layer} slot {slot} holds expert {int(pmap[layer, slot])}, outside [0, {E})")
-    held = np.zeros((L, E), dtype=bool)
-    np.put_along_axis(held, pmap, True, axis=1)
-    if not held.all():
-        layer, expert = map(int, np.argwhere(~held)[0])
-        raise WindowError("physical_to_logical_map", f"layer {layer}: expert {expert} has no slot")
+    check_placement(w.physical_to_logical_map, E, WindowError)
 
     # Invariants apply to what is present: each check runs when the fields it relates are there.
     if w.expert_tokens is None:

@@ -6,8 +6,8 @@
 Both are used by `moewatch diagnose` and by the agent, so neither needs to know an engine's format.
 """
 
-from ..errors import FieldError
+from ..errors import InputError
 
 
-class SourceError(FieldError):
+class SourceError(InputError):
     """A foreign file or exposition moewatch cannot use; `field` names the file (or URL) at fault."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moewatch.checks import is_valid_placement
 from moewatch.planner import affinity, packing, placement_math, replicate, solve_placement
 from moewatch.planner.synthetic import affinity_trace
 
@@ -50,7 +51,7 @@ def test_planted_affinity_is_found_on_held_out_tokens_under_the_floor():
     load = affinity.load_from_trace(fit, E)
     result = solve_placement(load, W, P, 2, affinity=affinity.transitions_from_trace(fit, E), balancedness_floor=0.95)
     pmap = result.physical_to_logical_map
-    assert placement_math.is_valid_placement(pmap, E, W)
+    assert is_valid_placement(pmap, E, W)
     assert (result.balancedness_after >= 0.95 - 1e-12).all()
     held_t = affinity.transitions_from_trace(held, E)
     contiguous, _ = placement_math.transition_cross_shares(held_t, placement_math.contiguous_placement(L, E, P), W, 2)

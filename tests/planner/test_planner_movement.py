@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moewatch.checks import is_valid_placement
 from moewatch.planner import movement, placement_math, solve_placement
 from moewatch.planner.synthetic import drifted, popularity, sample_load
 
@@ -25,7 +26,7 @@ def test_align_to_current_keeps_loads_and_node_sets_and_slots(rng):
     assert np.allclose(np.sort(placement_math.gpu_load(load, aligned, 8), axis=1),
                        np.sort(placement_math.gpu_load(load, scratch, 8), axis=1))
     for pmap in (scratch, aligned):
-        assert placement_math.is_valid_placement(pmap, 32, 8)
+        assert is_valid_placement(pmap, 32, 8)
     assert np.allclose(placement_math.dispatch_cross_shares(load, aligned, 8, 2),
                        placement_math.dispatch_cross_shares(load, scratch, 8, 2))
     assert placement_math.experts_moved(current, aligned).sum() <= placement_math.experts_moved(current, scratch).sum()
@@ -56,7 +57,7 @@ def test_after_drift_moves_few_and_stays_within_tolerance(seed):
     in_force = solve_placement(before, W, P).physical_to_logical_map
     scratch = solve_placement(after, W, P)
     ours = solve_placement(after, W, P, current=in_force, tolerance=0.005, expert_bytes=1000)
-    assert placement_math.is_valid_placement(ours.physical_to_logical_map, before.shape[1], W)
+    assert is_valid_placement(ours.physical_to_logical_map, before.shape[1], W)
     assert (ours.balancedness_after >= scratch.balancedness_after * (1 - 0.005) - 1e-12).all()
     scratch_moves = placement_math.experts_moved(in_force, scratch.physical_to_logical_map).sum()
     renamed = movement.align_to_current(scratch.physical_to_logical_map, in_force, W)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moewatch.checks import is_valid_placement
 from moewatch.planner import placement_math
 
 
@@ -62,9 +63,9 @@ def test_contiguous_placement_and_moves():
 
 
 def test_validity_and_sizes():
-    assert placement_math.is_valid_placement(np.array([[0, 1, 1, 0]]), 2, 2)
-    assert not placement_math.is_valid_placement(np.array([[0, 0, 0, 0]]), 2, 2)
-    assert not placement_math.is_valid_placement(np.array([[0, 1, 2]]), 3, 2)
+    assert is_valid_placement(np.array([[0, 1, 1, 0]]), 2, 2)
+    assert not is_valid_placement(np.array([[0, 0, 0, 0]]), 2, 2)
+    assert not is_valid_placement(np.array([[0, 1, 2]]), 3, 2)
     with pytest.raises(placement_math.PlacementShapeError, match="num_slots"):
         placement_math.check_sizes(4, 6, 4)
     with pytest.raises(placement_math.PlacementShapeError, match="num_nodes"):
