@@ -282,8 +282,8 @@ def validate(w: Window) -> None:
     """Check every invariant of WINDOW.md; raise WindowError naming the first broken field."""
     if w.schema != SCHEMA:
         raise WindowError("schema", f"unknown schema {w.schema!r}")
-    check_at_least_one(((name, getattr(w, name)) for name in
-                        ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node")), WindowError)
+    sizes_at_least_one = ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node")
+    check_at_least_one(((name, getattr(w, name)) for name in sizes_at_least_one), WindowError)
     for name in ("epoch", "steps", "hidden_bytes"):
         if getattr(w, name) < 0:
             raise WindowError(name, "must be non-negative")
