@@ -5,7 +5,7 @@
         ConfigError    bad configuration (the agent's, the runtime's, the thresholds)
         (WindowError, PlanError, PlacementShapeError, FileFormatError, SourceError derive from it)
 
-Every CLI verb turns an InputError into one line on stderr and exit 2 (moewatch/commands.py).
+Every CLI verb turns an InputError into one line on stderr and exit 2 (moewatch/cli_contract.py).
 """
 
 from __future__ import annotations

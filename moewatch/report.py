@@ -13,7 +13,8 @@ import click
 import numpy as np
 
 from . import telemetry as tm
-from .commands import fail_input, load_window
+from .cli_contract import OneLineCommand, fail_input
+from .commands import load_window
 from .telemetry import Window
 from .thresholds import ConfigError, thresholds_from_cli, thresholds_options
 from .triage import WindowDiagnosis, diagnose
@@ -117,7 +118,7 @@ def _not_measured(ax, what: str) -> None:
             transform=ax.transAxes, color="#777")
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.argument("source")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True, help="PNG file to write.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,

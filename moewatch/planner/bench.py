@@ -17,6 +17,7 @@ from typing import Any, Callable
 import click
 import numpy as np
 
+from ..cli_contract import OneLineCommand
 from . import eplb_reference as eplb
 from .affinity import load_from_trace, transitions_from_trace
 from .placement_math import contiguous_placement, dispatch_cross_shares, placement_balancedness, transition_cross_shares
@@ -351,7 +352,7 @@ def render_markdown(r: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
-@click.command("planner")
+@click.command("planner", cls=OneLineCommand)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON only.")
 @click.option("--write", "write_path", type=click.Path(dir_okay=False), default=None,
               help="Write the results page here (docs/benchmarks/planner.md).")
