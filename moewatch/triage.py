@@ -150,13 +150,6 @@ def pack_max_loads(items: np.ndarray, num_ranks: int, slots_per_rank: np.ndarray
     return loads.max(axis=1)
 
 
-def pack_max_load(item_loads: np.ndarray, num_ranks: int, slots_per_rank: int) -> float:
-    """Busiest rank's load after greedy packing (heaviest item to the least-loaded rank with a free
-    slot). item_loads: [n] with n <= num_ranks * slots_per_rank. An estimate, not the planner."""
-    items = np.asarray(item_loads, dtype=np.float64).reshape(1, -1)
-    return float(pack_max_loads(items, num_ranks, slots_per_rank)[0])
-
-
 def replica_splits(expert_load: np.ndarray, hot: np.ndarray, extra_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Slot loads after giving extra_slots[r] replicas to row r's experts hot[r] (-1 pads), one at a
     time to whichever of them has the most load per replica (the first listed among equals).

@@ -11,7 +11,7 @@ from moewatch import telemetry as tm
 from moewatch.examples import SCENARIOS, simulate
 from moewatch.thresholds import Thresholds
 from moewatch.capacity import mean_load_capacities, mean_load_overflow_rates
-from moewatch.triage import diagnose, pack_max_load
+from moewatch.triage import diagnose, pack_max_loads
 
 W = 4
 
@@ -157,8 +157,8 @@ def test_capacity_for_overflow_solves_the_overflow_equation():
 
 
 def test_pack_max_load_respects_slots_per_rank():
-    assert pack_max_load(np.array([5.0, 5, 1, 1]), 2, 2) == 6.0
-    assert pack_max_load(np.array([9.0, 1, 1, 1]), 2, 2) == 10.0
+    assert pack_max_loads(np.array([[5.0, 5, 1, 1]]), 2, 2).tolist() == [6.0]
+    assert pack_max_loads(np.array([[9.0, 1, 1, 1]]), 2, 2).tolist() == [10.0]
 
 
 # --- properties ---------------------------------------------------------------------------------
