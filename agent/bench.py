@@ -28,6 +28,7 @@ import click
 import numpy as np
 
 from moewatch import wire
+from moewatch.cli_contract import OneLineCommand
 
 CONTRACT_KEYS = ("cpu_per_window_s", "cpu_share", "rss_mb", "scrape_ms_p50", "triage_ms", "windows_lagging")
 
@@ -297,7 +298,7 @@ def _ready(url: str) -> bool:
         return False
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--layers", type=click.IntRange(1, 512), default=58, show_default=True)
 @click.option("--experts", type=click.IntRange(1, 4096), default=256, show_default=True)
 @click.option("--slots", type=click.IntRange(1, 8192), default=320, show_default=True)

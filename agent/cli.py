@@ -9,29 +9,13 @@ import sys
 
 import click
 
+from moewatch.cli_contract import OneLineCommand, fail_input
 from moewatch.thresholds import ConfigError
 
 from .config import build_config, config_options
 
 
-def fail_input(message: str) -> None:
-    """Bad input: one line on stderr, exit 2 (the CLI contract)."""
-    click.echo(f"moewatch: error: {message}", err=True)
-    sys.exit(2)
-
-
-class OneLineErrors(click.Command):
-    """A command whose usage errors (unknown flag, a value of the wrong type) follow the contract:
-    one line on stderr and exit 2, not click's usage block."""
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as exc:
-            fail_input(" ".join(exc.format_message().split()))
-
-
-@click.command(cls=OneLineErrors)
+@click.command(cls=OneLineCommand)
 @click.option("--config", "config_path", default=None, metavar="FILE",
               help="YAML configuration: one mapping per section (server:, policy:, thresholds:, ...).")
 @click.option("--print-config", is_flag=True, help="Print the resolved configuration as JSON and exit.")
@@ -64,7 +48,7 @@ def agent(config_path: str | None, print_config: bool, **flags) -> None:
     sys.exit(code)
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--seconds", type=click.FloatRange(5, 3600), default=45.0, show_default=True,
               help="How long the runtime serves (startup and the summary add about 15 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print only the summary object as JSON.")
@@ -92,7 +76,7 @@ def demo(seconds: float, as_json: bool, ranks: int, keep: str | None, listen: st
         click.echo(json.dumps(summary, indent=1, allow_nan=False))
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--url", default="http://127.0.0.1:9477", show_default=True, help="The agent's HTTP address.")
 @click.option("--interval", type=click.FloatRange(0.2, 3600), default=2.0, show_default=True,
               help="Seconds between refreshes.")

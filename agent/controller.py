@@ -22,6 +22,7 @@ import numpy as np
 from moewatch.integrations import registry
 from moewatch.integrations.base import Actuator
 from moewatch.plan import Plan, PlanError
+from moewatch.vocabulary import ROLLBACK_APPLIED
 from moewatch.wire import Ack
 
 from . import policy, verification
@@ -94,6 +95,9 @@ class Controller:
 
     def _count(self, group: GroupStore, kind: str, result: str, n: int = 1) -> None:
         self.metrics[ACTIONS_TOTAL].inc((*group.key, kind, result), n)
+        if (kind, result) == ROLLBACK_APPLIED:
+            # The same count under its own name, which alerts and dashboards read: moved only here.
+            self.metrics[ROLLBACKS_TOTAL].inc(group.key, n)
 
     # --- decide and act -----------------------------------------------------------------------------
     def plan_tick(self) -> None:
@@ -217,11 +221,10 @@ class Controller:
                 ctl.stall_per_slot = observed if ctl.stall_per_slot is None else 0.5 * (ctl.stall_per_slot + observed)
             if flight.rollback_of is not None:
                 ctl.rollbacks += 1
-                self._count(group, "rollback", "applied")
                 self._record(group, "rolled_back", epoch=flight.plan.epoch, rollback_of=flight.rollback_of,
                              layers=list(flight.changed_layers), stall_seconds=ack.stall_seconds, step=ack.step)
-                # After the audit line: whoever sees the counter move can read why.
-                self.metrics[ROLLBACKS_TOTAL].inc(group.key)
+                # After the audit line: whoever sees the counters move can read why.
+                self._count(group, "rollback", "applied")
                 return None
             for d in flight.decisions:
                 self._count(group, d.kind, "applied")

@@ -17,7 +17,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from moewatch import __version__
+from moewatch import __version__, checks
+from moewatch.errors import InputError
 from moewatch.integrations import registry
 from moewatch.integrations.base import Source
 from moewatch.plan import Plan
@@ -66,16 +67,13 @@ def check_hello(hello: Hello, cfg: AgentConfig) -> tuple[str, str] | None:
         value = getattr(hello, name)
         if not value or len(value) > LABEL_MAX:
             return "invalid_hello", f"{name} must be 1 to {LABEL_MAX} characters"
-    for name, value in (("world_size", W), ("num_layers", L), ("num_experts", E), ("num_slots", P)):
-        if value < 1:
-            return "invalid_hello", f"{name} {value} must be at least 1"
-    if P < E:
-        return "invalid_hello", f"{P} slots cannot hold {E} experts"
-    if P % W:
-        return "invalid_hello", f"{P} slots do not divide over {W} ranks"
-    rpn = hello.ranks_per_node
-    if rpn and rpn < W and W % rpn:
-        return "invalid_hello", f"{W} ranks do not split into nodes of {rpn}"
+    try:
+        checks.check_at_least_one((("world_size", W), ("num_layers", L), ("num_experts", E), ("num_slots", P)))
+        checks.check_slots_hold_experts(P, E)
+        checks.check_slots_divide(P, W)
+        checks.check_ranks_per_node(W, hello.ranks_per_node)
+    except InputError as exc:
+        return "invalid_hello", str(exc)
     limits = cfg.limits
     for name, value, limit in (("world_size", W, limits.max_world_size), ("num_layers", L, limits.max_num_layers),
                                ("num_experts", E, limits.max_num_experts), ("num_slots", P, limits.max_num_slots)):

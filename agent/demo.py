@@ -36,6 +36,8 @@ import contextlib
 import click
 import numpy as np
 
+from moewatch.vocabulary import TERMINAL_COLOURS
+
 from .config import build_config
 from .store import GroupStore, TriagedWindow
 
@@ -117,7 +119,7 @@ def _short(verdict: str, cause: str | None) -> str:
 def _colour(text: str, verdict: str, enabled: bool) -> str:
     if not enabled:
         return text
-    return click.style(text, fg={"healthy": "green", "comm-bound": "yellow", "imbalance-bound": "red"}[verdict])
+    return click.style(text, fg=TERMINAL_COLOURS[verdict])
 
 
 class _Recorder:

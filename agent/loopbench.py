@@ -23,6 +23,8 @@ from typing import Any
 import click
 import numpy as np
 
+from moewatch.cli_contract import OneLineCommand
+
 from .demo import (DEMO_RUNTIME, DEMO_RUNTIME_GPU, DemoError, agent_settings, _pct, _Recorder, _steps, run_session,
                    scheduler_warnings_muted, step_figures)
 from .store import TriagedWindow
@@ -110,7 +112,7 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "runs_fixed": sum(1 for r in runs if r["windows_to_fix"] is not None)}
 
 
-@click.command("loop")
+@click.command("loop", cls=OneLineCommand)
 @click.option("--seconds", type=click.FloatRange(2, 3600), default=30.0, show_default=True,
               help="How long the act session's runtime serves (startup adds about 5 s).")
 @click.option("--control-seconds", type=click.FloatRange(2, 3600), default=20.0, show_default=True,

@@ -30,7 +30,8 @@ def policy_params(cfg: AgentConfig) -> PolicyParams:
                         cooldown_seconds=p.cooldown_seconds, max_plans_per_hour=p.max_plans_per_hour,
                         max_replicas_per_expert=p.max_replicas_per_expert, capacity_factor_min=p.capacity_factor_min,
                         capacity_factor_max=p.capacity_factor_max, allow_lossy_capacity=p.allow_lossy_capacity,
-                        cost=cost_params(cfg))
+                        cost=cost_params(cfg), overflow_target=cfg.thresholds.overflow_target,
+                        max_capacity_factor=cfg.thresholds.max_capacity_factor)
 
 
 def verify_params(cfg: AgentConfig) -> VerifyParams:

@@ -28,16 +28,18 @@ from typing import Any, Sequence
 import numpy as np
 
 from moewatch import topology
+from moewatch.capacity import capacity_for_windows
 from moewatch.integrations.base import ActuatorProperties
 from moewatch.planner import cost
-from moewatch.planner import metrics as pm
+from moewatch.planner import placement_math as pm
+from moewatch.vocabulary import DECISION_KINDS
 
 from .evidence import computed_load, mean_metric, measured, persistent_overflow, persistent_verdicts, steps_per_second
 from .store import TriagedWindow
 from .verification import LayerBaseline, make_baseline
 
 PLACEMENT_KINDS = ("replicate", "placement")
-KINDS = ("replicate", "placement", "capacity", "batch", "rollback")
+KINDS = DECISION_KINDS
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class PolicyParams:
     capacity_factor_max: float
     allow_lossy_capacity: bool
     cost: CostParams
+    # From the triage thresholds: the overflow the capacity action aims under, and its highest factor.
+    overflow_target: float = 0.01
+    max_capacity_factor: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -265,7 +270,9 @@ def choose_levers(view: GroupView, params: PolicyParams, evidence: Sequence[Tria
                 skip("placement", layer, f"{label} for {k} windows but the triage names no action to take")
         if layer in overflowing and first["capacity"] is not None:
             if "capacity" in view.capabilities:
-                capacity[layer] = (float(first["capacity"].params["value"]), False)
+                # The per-step solve over the evidence windows: one window's average understates C.
+                wanted = capacity_for_windows([e.window for e in evidence], layer, params.overflow_target)
+                capacity[layer] = (min(wanted, params.max_capacity_factor), False)
             else:
                 skip("capacity", layer, f"{label}: the runtime does not take a capacity factor")
     return decisions, placement, capacity
@@ -282,8 +289,8 @@ def placement_proposals(view: GroupView, params: PolicyParams, evidence: Sequenc
     verdicts = persistent_verdicts(evidence, k)
     load = computed_load(evidence)
     proposed = proposed_placement(load, current_map, view.num_gpus, view.num_nodes, params.max_replicas_per_expert)
-    model_before = pm.balancedness(load, current_map, view.num_gpus)
-    model_after = pm.balancedness(load, proposed, view.num_gpus)
+    model_before = pm.placement_balancedness(load, current_map, view.num_gpus)
+    model_after = pm.placement_balancedness(load, proposed, view.num_gpus)
     moved = pm.experts_moved(current_map, proposed)
     counts_before = pm.replica_counts_of(current_map, view.num_experts)
     counts_after = pm.replica_counts_of(proposed, view.num_experts)

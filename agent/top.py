@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-_COLOURS = {"healthy": "green", "comm-bound": "yellow", "imbalance-bound": "red"}
+from moewatch.vocabulary import TERMINAL_COLOURS
 
 
 class TopError(Exception):
@@ -52,7 +52,7 @@ def render(status: dict[str, Any], colour: bool) -> str:
         for row in g.get("layers", []):
             verdict = f"{row['verdict']:<16}"
             if colour:
-                verdict = click.style(verdict, fg=_COLOURS.get(row["verdict"]))
+                verdict = click.style(verdict, fg=TERMINAL_COLOURS.get(row["verdict"]))
             ms = row["layer_seconds_per_step"]
             lines.append(f"  {row['layer']:>5}  {verdict} {row['cause'] or '-':<12} {_num(row['balancedness'], '>8.3f')} "
                          f"{_num(row['a2a_share'], '>5.0%')} {_num(row['rank_load_max_mean'], '>8.2f')} "

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from moewatch.planner import metrics as pm
+from moewatch.planner import placement_math as pm
 
 from .evidence import computed_load, mean_metric
 from .store import TriagedWindow
@@ -47,7 +47,7 @@ def make_baseline(windows: Sequence[TriagedWindow], layer: int, old_map: np.ndar
     """A layer's state before a change, from the windows the decision used. old_map: [P]."""
     load = computed_load(windows)[layer:layer + 1]
     measured = mean_metric(windows, layer, "balancedness")
-    model = float(pm.balancedness(load, old_map[None, :], num_gpus)[0])
+    model = float(pm.placement_balancedness(load, old_map[None, :], num_gpus)[0])
     busiest = float(pm.gpu_load(load, old_map[None, :], num_gpus).max())
     return LayerBaseline(layer, measured, mean_metric(windows, layer, "layer_seconds_per_step"),
                          mean_metric(windows, layer, "compute_seconds_per_step"), busiest, measured - model,
@@ -79,7 +79,7 @@ def _layer_evidence(base: LayerBaseline, window: TriagedWindow, num_gpus: int) -
     metrics = window.diagnosis.layers[layer].metrics
     load = computed_load([window])[layer:layer + 1]
     old_row = base.old_map[None, :]
-    old_model = float(pm.balancedness(load, old_row, num_gpus)[0])
+    old_model = float(pm.placement_balancedness(load, old_row, num_gpus)[0])
     growth = (float(pm.gpu_load(load, old_row, num_gpus).max()) / base.model_max_gpu_load
               if base.model_max_gpu_load > 0 else 1.0)
     speed = 1.0

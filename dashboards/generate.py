@@ -32,6 +32,7 @@ from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from moewatch.agent import catalog
 from moewatch.thresholds import Thresholds
+from moewatch.vocabulary import COUNTED_RESULTS, GRAFANA_COLOURS, VERDICTS
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_DIR = ROOT / "dashboards" / "json"
@@ -48,9 +49,8 @@ DS = dash_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 GROUP_SEL = 'model=~"$model", ep_group=~"$ep_group"'
 LAYER_SEL = f'{GROUP_SEL}, layer="$layer"'
 VERDICT_MAPPINGS = [dash_m.ValueMap(options={
-    "0": dash_m.ValueMappingResult(text="healthy", color="green", index=0),
-    "1": dash_m.ValueMappingResult(text="comm-bound", color="orange", index=1),
-    "2": dash_m.ValueMappingResult(text="imbalance-bound", color="red", index=2),
+    str(i): dash_m.ValueMappingResult(text=verdict, color=GRAFANA_COLOURS[verdict], index=i)
+    for i, verdict in enumerate(VERDICTS)
 })]
 
 
@@ -173,8 +173,8 @@ def overview() -> dash_b.Dashboard:
         [query(f"sum by (model, ep_group) (rate(moewatch_tokens_total{{{GROUP_SEL}}}[$__rate_interval]))",
                "{{model}}/{{ep_group}}", "A")])
     actions = (series_panel(
-        "Actions by kind and result", "What the agent decided (recommended, applied, skipped, failed, "
-        "rolled_back) per kind, per interval.", "short",
+        "Actions by kind and result", f"What the agent decided ({', '.join(COUNTED_RESULTS)}) per kind, per interval.",
+        "short",
         [query(f"sum by (kind, result) (increase(moewatch_actions_total{{{GROUP_SEL}}}[$__rate_interval]))",
                "{{kind}} {{result}}", "A")])
         .draw_style(common.GraphDrawStyle.BARS).stacking(common_b.StackingConfig().mode(common.StackingMode.NORMAL)))

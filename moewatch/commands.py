@@ -8,18 +8,13 @@ from pathlib import Path
 
 import click
 
+from .cli_contract import OneLineCommand, fail_input
 from .telemetry import Window, WindowError
 from .thresholds import ConfigError, thresholds_from_cli, thresholds_options
 from .triage import VERDICTS, WindowDiagnosis, diagnose as triage_window
+from .vocabulary import TERMINAL_COLOURS
 
 # Verdict order for --fail-on and the table's colour.
-_COLOURS = {"healthy": "green", "comm-bound": "yellow", "imbalance-bound": "red"}
-
-
-def fail_input(message: str) -> None:
-    """Bad input: one line on stderr, exit 2 (the CLI contract)."""
-    click.echo(f"moewatch: error: {message}", err=True)
-    sys.exit(2)
 
 
 def load_window(source: str) -> Window:
@@ -84,7 +79,7 @@ def format_table(diagnosis: WindowDiagnosis, colour: bool) -> str:
     for row in rows:
         cells = [c.ljust(w) for c, w in zip(row, widths)]
         if colour:
-            cells[1] = click.style(cells[1], fg=_COLOURS[row[1]])
+            cells[1] = click.style(cells[1], fg=TERMINAL_COLOURS[row[1]])
         lines.append("  ".join(cells) + "  " + row[-1])
     return "\n".join(lines)
 
@@ -122,7 +117,7 @@ def _parse_fail_on(value: str | None) -> set[str]:
     return wanted
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.argument("source")
 @click.option("--json", "as_json", is_flag=True, help="Print only the diagnosis as JSON.")
 @click.option("--fail-on", default=None, metavar="VERDICTS",
@@ -165,7 +160,7 @@ def diagnose(source: str, as_json: bool, fail_on: str | None, config_path: str |
         sys.exit(1)
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.argument("folder", default="examples")
 @click.option("--seed", type=int, default=None, help="Random seed (default: the documented EXAMPLE_SEED).")
 def examples(folder: str, seed: int | None) -> None:

@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FieldError
+from .checks import check_map_shape, check_placement as check_placement_rule, check_slots_divide
+from .errors import InputError
 
 
-class PlanError(FieldError):
+class PlanError(InputError):
     """A plan broke its contract; `field` names the offending field."""
 
 
@@ -58,11 +59,8 @@ class Plan:
     def check_against(self, num_layers: int, num_experts: int, num_slots: int, world_size: int) -> None:
         """Raise PlanError unless the plan fits a runtime of these sizes."""
         pmap = self.physical_to_logical_map
-        if pmap.shape != (num_layers, num_slots):
-            raise PlanError("physical_to_logical_map",
-                            f"shape {list(pmap.shape)} does not match [{num_layers}, {num_slots}]")
-        if num_slots % world_size:
-            raise PlanError("physical_to_logical_map", f"{num_slots} slots do not divide over {world_size} ranks")
+        check_map_shape(pmap, num_layers, num_slots, PlanError)
+        check_slots_divide(num_slots, world_size, PlanError, field="physical_to_logical_map")
         check_placement(pmap, num_experts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,15 +90,7 @@ class Plan:
 
 def check_placement(pmap: np.ndarray, num_experts: int) -> None:
     """Raise PlanError unless every entry of pmap [L, P] is in [0, E) and every expert has a slot."""
-    if np.any(pmap < 0) or np.any(pmap >= num_experts):
-        layer, slot = map(int, np.argwhere((pmap < 0) | (pmap >= num_experts))[0])
-        raise PlanError("physical_to_logical_map",
-                        f"layer {layer} slot {slot}: expert {int(pmap[layer, slot])} outside [0, {num_experts})")
-    held = np.zeros((pmap.shape[0], num_experts), dtype=bool)
-    np.put_along_axis(held, pmap, True, axis=1)
-    if not held.all():
-        layer, expert = map(int, np.argwhere(~held)[0])
-        raise PlanError("physical_to_logical_map", f"layer {layer}: expert {expert} has no slot")
+    check_placement_rule(pmap, num_experts, PlanError)
 
 
 def _numeric(value: Any) -> bool:

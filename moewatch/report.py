@@ -13,12 +13,13 @@ import click
 import numpy as np
 
 from . import telemetry as tm
-from .commands import fail_input, load_window
+from .cli_contract import OneLineCommand, fail_input
+from .commands import load_window
 from .telemetry import Window
 from .thresholds import ConfigError, thresholds_from_cli, thresholds_options
 from .triage import WindowDiagnosis, diagnose
+from .vocabulary import HEX_COLOURS
 
-VERDICT_COLOURS = {"healthy": "#4c9a2a", "comm-bound": "#e0a800", "imbalance-bound": "#c62828"}
 
 
 def draw(window: Window, result: WindowDiagnosis, out: Path) -> Path:
@@ -53,7 +54,7 @@ def draw(window: Window, result: WindowDiagnosis, out: Path) -> Path:
     for d in result.layers:
         ax.annotate(d.verdict.split("-")[0] + (f"\n{d.cause}" if d.cause else ""),
                     (d.layer, tops[d.layer]), ha="center", va="bottom", fontsize=7,
-                    color=VERDICT_COLOURS[d.verdict])
+                    color=HEX_COLOURS[d.verdict])
     ax.set_title("Per-step time by layer (slowest rank), verdict above")
     ax.set_xlabel("layer")
     ax.set_ylabel("ms per step")
@@ -117,7 +118,7 @@ def _not_measured(ax, what: str) -> None:
             transform=ax.transAxes, color="#777")
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.argument("source")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True, help="PNG file to write.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,

@@ -19,7 +19,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import FieldError
+from .checks import (check_at_least_one, check_placement, check_ranks_per_node, check_slots_divide,
+                     check_slots_hold_experts)
+from .errors import InputError
 
 SCHEMA = "moewatch.window/v1"
 
@@ -86,7 +88,7 @@ SCALAR_FIELDS: dict[str, type] = {
 }
 
 
-class WindowError(FieldError):
+class WindowError(InputError):
     """A window broke the contract; `field` names the first offending field."""
 
 
@@ -280,21 +282,17 @@ def validate(w: Window) -> None:
     """Check every invariant of WINDOW.md; raise WindowError naming the first broken field."""
     if w.schema != SCHEMA:
         raise WindowError("schema", f"unknown schema {w.schema!r}")
-    for name in ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node"):
-        if getattr(w, name) < 1:
-            raise WindowError(name, "must be at least 1")
+    sizes_at_least_one = ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node")
+    check_at_least_one(((name, getattr(w, name)) for name in sizes_at_least_one), WindowError)
     for name in ("epoch", "steps", "hidden_bytes"):
         if getattr(w, name) < 0:
             raise WindowError(name, "must be non-negative")
     if w.start_time < 0 or w.end_time < w.start_time:
         raise WindowError("end_time", "must not be before start_time (and both non-negative)")
     L, E, P, W = w.num_layers, w.num_experts, w.num_slots, w.world_size
-    if P < E:
-        raise WindowError("num_slots", f"{P} slots cannot hold {E} experts")
-    if P % W:
-        raise WindowError("num_slots", f"{P} slots do not divide over {W} ranks")
-    if W % w.ranks_per_node and w.ranks_per_node < W:
-        raise WindowError("ranks_per_node", f"{W} ranks do not split into nodes of {w.ranks_per_node}")
+    check_slots_hold_experts(P, E, WindowError)
+    check_slots_divide(P, W, WindowError)
+    check_ranks_per_node(W, w.ranks_per_node, WindowError)
     if w.top_k > E:
         raise WindowError("top_k", f"top_k {w.top_k} exceeds {E} experts")
     sizes = {"L": L, "E": E, "P": P, "W": W, "S": w.steps}
@@ -312,16 +310,9 @@ def validate(w: Window) -> None:
         if np.any(arr < 0):
             raise WindowError(name, "contains negative values")
 
-    pmap = w.physical_to_logical_map
-    if np.any(pmap >= E):
-        layer, slot = map(int, np.argwhere(pmap >= E)[0])
-        raise WindowError("physical_to_logical_map",
-                          f"layer {layer} slot {slot} holds expert {int(pmap[layer, slot])}, outside [0, {E})")
-    held = np.zeros((L, E), dtype=bool)
-    np.put_along_axis(held, pmap, True, axis=1)
-    if not held.all():
-        layer, expert = map(int, np.argwhere(~held)[0])
-        raise WindowError("physical_to_logical_map", f"layer {layer}: expert {expert} has no slot")
+    _check_phase_times(w)
+
+    check_placement(w.physical_to_logical_map, E, WindowError)
 
     # Invariants apply to what is present: each check runs when the fields it relates are there.
     if w.expert_tokens is None:
@@ -386,6 +377,32 @@ def validate(w: Window) -> None:
                       "row sums differ from local + sent")
         _check_layers("traffic", np.any(w.traffic.sum(axis=1) != w.local_tokens + w.received_tokens, axis=1),
                       "column sums differ from local + received")
+
+
+# A phase of a layer is timed inside it, so it cannot take longer than the layer: beyond this it is a
+# broken source, not timer granularity (a clock tick of up to 1 us per step read on each side of a
+# phase, and 0.1 % for clocks read on different streams or devices).
+PHASE_TIME_ABSOLUTE_SLACK_PER_STEP = 1e-6
+PHASE_TIME_RELATIVE_SLACK = 1e-3
+PHASE_TIME_FIELDS = ("dispatch_seconds", "combine_seconds", "compute_seconds")
+
+
+def _check_phase_times(w: Window) -> None:
+    """Per layer and rank, no phase time [L, W] exceeds layer_seconds [L, W] beyond the slack."""
+    if w.layer_seconds is None:
+        return
+    limit = (w.layer_seconds * (1.0 + PHASE_TIME_RELATIVE_SLACK)
+             + PHASE_TIME_ABSOLUTE_SLACK_PER_STEP * max(w.steps, 1))
+    for name in PHASE_TIME_FIELDS:
+        phase = getattr(w, name)
+        if phase is None:
+            continue
+        over = phase > limit
+        if over.any():
+            layer, rank = map(int, np.argwhere(over)[0])
+            raise WindowError(f"{name}[{layer}][{rank}]",
+                              f"{phase[layer, rank]:.9g} s exceeds the rank's layer_seconds "
+                              f"{w.layer_seconds[layer, rank]:.9g} s (a phase is timed inside its layer)")
 
 
 def _check_layers(name: str, bad: np.ndarray, message: str, per_element: bool = False) -> None:

@@ -15,9 +15,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """Bad configuration; the message starts with the field's name."""
+from .errors import ConfigError
 
 
 def _t(default: float, source: str, help: str, lo: float = 0.0, hi: float = math.inf) -> Any:

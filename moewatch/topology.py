@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .planner.metrics import dispatch_cross_share
+from .planner.placement_math import dispatch_cross_share, dispatch_cross_shares
 
 
 def num_nodes(world_size: int, ranks_per_node: int) -> int:

@@ -38,13 +38,11 @@ import numpy as np
 
 from . import telemetry as tm
 from . import topology
+from .capacity import mean_load_capacities, mean_load_overflow_rates, round_up_capacity
 from .telemetry import Window
 from .thresholds import Thresholds
 
-HEALTHY, COMM_BOUND, IMBALANCE_BOUND = "healthy", "comm-bound", "imbalance-bound"
-VERDICTS = (HEALTHY, COMM_BOUND, IMBALANCE_BOUND)
-CAUSES = ("volume", "placement", "small-batch", "hot-experts", "straggler")
-ACTION_KINDS = ("replicate", "capacity", "placement", "batch")
+from .vocabulary import ACTION_KINDS, CAUSES, COMM_BOUND, HEALTHY, IMBALANCE_BOUND, VERDICTS  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -155,13 +153,6 @@ def pack_max_loads(items: np.ndarray, num_ranks: int, slots_per_rank: np.ndarray
     return loads.max(axis=1)
 
 
-def pack_max_load(item_loads: np.ndarray, num_ranks: int, slots_per_rank: int) -> float:
-    """Busiest rank's load after greedy packing (heaviest item to the least-loaded rank with a free
-    slot). item_loads: [n] with n <= num_ranks * slots_per_rank. An estimate, not the planner."""
-    items = np.asarray(item_loads, dtype=np.float64).reshape(1, -1)
-    return float(pack_max_loads(items, num_ranks, slots_per_rank)[0])
-
-
 def replica_splits(expert_load: np.ndarray, hot: np.ndarray, extra_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Slot loads after giving extra_slots[r] replicas to row r's experts hot[r] (-1 pads), one at a
     time to whichever of them has the most load per replica (the first listed among equals).
@@ -187,65 +178,6 @@ def replica_splits(expert_load: np.ndarray, hot: np.ndarray, extra_slots: np.nda
     out = np.zeros((R, int(used.max(initial=E))))
     out[row_of, offset] = values
     return out, used
-
-
-def replica_split(expert_load: np.ndarray, experts: list[int], extra_slots: int) -> np.ndarray:
-    """Slot loads after giving `extra_slots` replicas to `experts`, one at a time to whichever of
-    them has the most load per replica. expert_load: [E] -> [E + extra_slots]."""
-    out, used = replica_splits(np.asarray(expert_load, dtype=np.float64)[None, :], np.array([experts]),
-                               np.array([extra_slots]))
-    return out[0, :used[0]]
-
-
-def capacities_for_overflow(expert_load: np.ndarray, target: float) -> np.ndarray:
-    """Per row, the smallest capacity factor C (capacity = C x mean expert load) whose overflow share
-    of the routed pairs stays at or under `target`, assuming the window's per-expert shares hold per
-    step. expert_load: [R, E] (pair counts) -> [R]; 0.0 for an idle row.
-
-    overflow(C) = sum(max(0, load - C*mean)) is piecewise linear and decreasing in C, with breaks at
-    the loads: the first break (hottest first) where the overflow passes the budget fixes the piece,
-    and C is solved within it."""
-    load = -np.sort(-np.asarray(expert_load, dtype=np.float64), axis=1)
-    R, E = load.shape
-    total, mean = load.sum(axis=1), load.mean(axis=1)
-    budget = target * total
-    above = np.cumsum(load, axis=1)  # [R, k-1]: pairs of the k hottest experts
-    n_over = np.arange(1, E + 1)
-    next_level = np.concatenate([load[:, 1:], np.zeros((R, 1))], axis=1)
-    passes = (above - n_over * next_level > budget[:, None]) | (n_over == E)
-    k = np.argmax(passes, axis=1)
-    cap = (above[np.arange(R), k] - budget) / n_over[k]
-    out = np.zeros(R)
-    np.divide(np.maximum(cap, 0.0), mean, out=out, where=total > 0)
-    return out
-
-
-def capacity_for_overflow(expert_load: np.ndarray, target: float) -> float:
-    """Smallest capacity factor C (capacity = C x mean expert load) whose overflow share of the
-    routed pairs stays at or under `target`. expert_load: [E]. Returns 0.0 for an idle layer."""
-    return float(capacities_for_overflow(np.asarray(expert_load, dtype=np.float64)[None, :], target)[0])
-
-
-def overflows_at_capacity(expert_load: np.ndarray, capacity_factor: np.ndarray) -> np.ndarray:
-    """[R, E] loads, [R] capacity factors -> [R] share of routed pairs over capacity (C x mean)."""
-    load = np.asarray(expert_load, dtype=np.float64)
-    c = np.asarray(capacity_factor, dtype=np.float64)
-    total = load.sum(axis=1)
-    over = np.maximum(load - (c * load.mean(axis=1))[:, None], 0.0).sum(axis=1)
-    out = np.zeros(len(load))
-    np.divide(over, total, out=out, where=(total > 0) & (c > 0))
-    return out
-
-
-def overflow_at_capacity(expert_load: np.ndarray, capacity_factor: float) -> float:
-    """Share of routed pairs over capacity when capacity = C x mean expert load. expert_load: [E]."""
-    return float(overflows_at_capacity(np.asarray(expert_load, dtype=np.float64)[None, :],
-                                       np.array([capacity_factor]))[0])
-
-
-def _round_up_all(capacity_factor: np.ndarray) -> np.ndarray:
-    """Two decimals for humans, rounded up so the overflow target still holds."""
-    return np.ceil(np.asarray(capacity_factor) * 100 - 1e-9) / 100
 
 
 @dataclass(frozen=True)
@@ -279,7 +211,7 @@ def predict(w: Window, metrics: list[dict[str, Any]], t: Thresholds, layers: np.
         hot_lists[layer] = metrics[layer]["hot_experts"] or [
             int(e) for e in np.argsort(-expert_load[layer], kind="stable")[:max(1, W // 2)]]
     extra = np.array([max(len(h), W // 2) for h in hot_lists], dtype=np.int64)
-    capacity = _round_up_all(capacities_for_overflow(routed, t.overflow_target))
+    capacity = round_up_capacity(mean_load_capacities(routed, t.overflow_target))
     nan = np.full(L, np.nan)
     rep_max, place_max, cap_max, cap_overflow = nan.copy(), nan.copy(), nan.copy(), nan.copy()
     if len(layers) and tm.rank_load(w) is not None:
@@ -296,7 +228,7 @@ def predict(w: Window, metrics: list[dict[str, Any]], t: Thresholds, layers: np.
             mean = routed[capped_layers].mean(axis=1)
             capped = np.minimum(routed[capped_layers], (capacity[capped_layers] * mean)[:, None])
             groups.append((capped, np.full(len(capped_layers), spr), cap_max, capped_layers))
-            cap_overflow[capped_layers] = overflows_at_capacity(routed[capped_layers], capacity[capped_layers])
+            cap_overflow[capped_layers] = mean_load_overflow_rates(routed[capped_layers], capacity[capped_layers])
         width = max(g[0].shape[1] for g in groups)
         items = np.concatenate([np.pad(g[0], ((0, 0), (0, width - g[0].shape[1]))) for g in groups])
         result = pack_max_loads(items, W, np.concatenate([g[1] for g in groups]))
@@ -526,11 +458,6 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
     return LayerDiagnosis(layer, verdict, cause, overflow, m, evidence, [], 0.0, missing), False
 
 
-def _round_up(capacity_factor: float) -> float:
-    """Two decimals for humans, rounded up so the overflow target still holds."""
-    return math.ceil(capacity_factor * 100 - 1e-9) / 100
-
-
 def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds, verdict: str, cause: str | None,
                   overflow: bool, pred: Predictions | None) -> list[Action]:
     W = w.world_size
@@ -574,10 +501,12 @@ def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds, verdi
                               {}))
 
     if overflow:
-        value = min(_round_up(capacity_for_overflow(w.expert_tokens[layer], t.overflow_target)), t.max_capacity_factor)
+        routed = w.expert_tokens[layer:layer + 1]
+        value = min(round_up_capacity(float(mean_load_capacities(routed, t.overflow_target)[0])),
+                    t.max_capacity_factor)
         current = float(w.capacity_factor[layer])
         value = max(value, current)
-        left = overflow_at_capacity(w.expert_tokens[layer], value)
+        left = float(mean_load_overflow_rates(routed, np.array([value]))[0])
         actions.append(Action("capacity", 0.0,
                               f"Raise the capacity factor from {current:g} to {value:g}: predicted overflow "
                               f"{m['overflow_rate']:.1%} -> {left:.1%} (more expert memory, no latency gain).",

@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 import time
 
 import click
 import numpy as np
 import torch
+
+from moewatch.cli_contract import OneLineCommand, fail_input
 
 from .cli import execution_options
 from .config import ConfigError, RuntimeConfig, validate
@@ -55,7 +56,7 @@ class _SelfTimedProbe:
 
 def _bench_rank(rank: int, world_size: int, cfg: RuntimeConfig, windows_measured: int, block: int, window: int,
                 warmup: int) -> dict:
-    from .engine import EPEngine
+    from .ep_rank import EPEngine
     from .launcher import build_probe
     from .model import input_batch
     from .workload import Workload
@@ -138,7 +139,7 @@ def measure(cfg: RuntimeConfig, windows: int, block: int, window: int, warmup: i
     }
 
 
-@click.command("probe")
+@click.command("probe", cls=OneLineCommand)
 @click.option("--ranks", type=int, default=2, show_default=True)
 @click.option("--layers", type=int, default=8, show_default=True)
 @click.option("--experts", type=int, default=32, show_default=True)
@@ -166,12 +167,9 @@ def probe(windows, window_steps, block_steps, warmup_steps, as_json, **options) 
         if window_steps % block_steps:
             raise ConfigError("block_steps", f"{block_steps} does not divide --window-steps {window_steps}")
     except ConfigError as exc:
-        click.echo(f"moewatch bench probe: error: --{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}",
-                   err=True)
-        sys.exit(2)
+        fail_input(f"bench probe: --{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}")
     if cfg.backend == "nccl" and not torch.cuda.is_available():
-        click.echo("moewatch bench probe: error: --backend nccl needs CUDA GPUs; none is visible", err=True)
-        sys.exit(2)
+        fail_input("bench probe: --backend nccl needs CUDA GPUs; none is visible")
     steps = warmup_steps + 2 * windows * window_steps
     click.echo(f"moewatch bench probe: {cfg.ranks} {cfg.backend} ranks, {warmup_steps} warm-up steps, then "
                f"{2 * windows * window_steps} steps alternating the probe on and off "

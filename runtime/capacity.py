@@ -1,7 +1,8 @@
 """Capacity per expert, enforced on one rank's pairs before dispatch, with exact accounting.
 
 Capacity is ceil(C * N * k / E) pairs per logical expert, N being the rank's real (non-padding) tokens
-in the step: the rule GShard and DeepSpeed apply per device, here per rank. An expert's capacity is
+in the step (the core's moewatch.capacity.expert_capacity works it out): the rule GShard and DeepSpeed
+apply per device, here per rank. An expert's capacity is
 shared by all its replicas (it is a property of the logical expert, not of a slot). C = 0 is dropless.
 
 Which pairs keep their place: first choices before second choices, then token order. The overflow
@@ -26,19 +27,11 @@ import torch
 
 
 @dataclass
-class CapacityResult:
+class CapacityAssignment:
     assigned: torch.Tensor  # [N, k] expert that computes each pair; -1 dropped or padding
     routed: torch.Tensor  # [E] pairs routed to each expert before capacity (padding excluded)
     dropped: torch.Tensor  # [E] pairs dropped, at the expert they were routed to
     rerouted: torch.Tensor  # [E] pairs moved off each expert to another one
-
-
-def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int | None:
-    """ceil(C * N * k / E), or None when dropless (C = 0)."""
-    if capacity_factor <= 0:
-        return None
-    # Rounding first keeps 1.1 * 320 / 32 from becoming 11.000000000000002 and then 12.
-    return math.ceil(round(capacity_factor * num_tokens * top_k / num_experts, 9))
 
 
 def group_ordinal(keys: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -58,7 +51,7 @@ def group_ordinal(keys: torch.Tensor, num_groups: int) -> torch.Tensor:
 
 
 def apply_capacity(ids: torch.Tensor, valid: torch.Tensor, scores: torch.Tensor, capacity: int | None,
-                   overflow: str) -> CapacityResult:
+                   overflow: str) -> CapacityAssignment:
     """Capacity on one rank's pairs.
 
     ids [N, k] chosen experts (distinct per token, best first), valid [N] bool (False = padding),
@@ -71,7 +64,7 @@ def apply_capacity(ids: torch.Tensor, valid: torch.Tensor, scores: torch.Tensor,
     routed = torch.bincount(ids[valid_pairs], minlength=num_experts)
     zeros = torch.zeros_like(routed)
     if capacity is None:
-        return CapacityResult(torch.where(valid_pairs, ids, -1), routed, zeros, zeros.clone())
+        return CapacityAssignment(torch.where(valid_pairs, ids, -1), routed, zeros, zeros.clone())
 
     # Priority order: choice j major, token minor -> flat index j * N + t.
     flat_ids = ids.t().reshape(-1)
@@ -86,7 +79,7 @@ def apply_capacity(ids: torch.Tensor, valid: torch.Tensor, scores: torch.Tensor,
         room = capacity - torch.bincount(ids[keep], minlength=num_experts)
         rerouted = _reroute(ids, scores, assigned, over, room)
     dropped = torch.bincount(ids[over], minlength=num_experts)
-    return CapacityResult(assigned, routed, dropped, rerouted)
+    return CapacityAssignment(assigned, routed, dropped, rerouted)
 
 
 def _reroute(ids: torch.Tensor, scores: torch.Tensor, assigned: torch.Tensor, pending: torch.Tensor,

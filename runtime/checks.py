@@ -17,8 +17,8 @@ import torch.distributed as dist
 from moewatch.plan import Plan
 
 from .config import RuntimeConfig
-from .control import Controller
-from .engine import EPEngine
+from .control import PlanApplier
+from .ep_rank import EPEngine
 from .launcher import build_probe
 from .model import ModelSpec, init_experts, input_batch, reference_forward
 from .workload import Workload
@@ -137,7 +137,7 @@ def live_plans(rank: int, world_size: int, cfg: RuntimeConfig, new_map: list, fa
     device = _device(cfg, rank)
     engine = EPEngine(cfg, rank, world_size, device=device)
     inbox: queue.Queue = queue.Queue()
-    controller = Controller(engine, inbox=inbox, layers_per_step=cfg.migrate_layers_per_step,
+    controller = PlanApplier(engine, inbox=inbox, layers_per_step=cfg.migrate_layers_per_step,
                             inject_failure={"rank": world_size - 1, "epoch": 3, "stage": "transfer"})
     x, valid, ids = _batch(cfg, rank, step=7)
     before = engine.forward(x, valid, ids).float().cpu()

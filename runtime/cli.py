@@ -12,12 +12,13 @@ import sys
 
 import click
 
+from moewatch.cli_contract import NamedOneLineCommand, fail_input
+
 from .config import ConfigError, RuntimeConfig, validate
 
 
 def _fail(message: str) -> None:
-    click.echo(f"moewatch runtime: error: {message}", err=True)
-    sys.exit(2)
+    fail_input(f"runtime: {message}")
 
 
 def execution_options(command):
@@ -35,7 +36,7 @@ def execution_options(command):
     return command
 
 
-@click.command("runtime")
+@click.command("runtime", cls=NamedOneLineCommand)
 @click.option("--ranks", type=int, default=4, show_default=True, help="EP ranks (processes) W.")
 @click.option("--layers", type=int, default=8, show_default=True, help="MoE layers L.")
 @click.option("--experts", type=int, default=32, show_default=True, help="Logical experts E per layer.")

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from moewatch.errors import ConfigError
+
 OVERFLOW_POLICIES = ("drop", "reroute")
 WORKLOADS = ("zipf", "drift", "trace")
 ROUTERS = ("learned", "synthetic")
@@ -21,14 +23,6 @@ SCORES = ("softmax", "sigmoid")
 KERNELS = ("torch", "triton")
 BACKENDS = ("gloo", "nccl")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A runtime config broke its contract; `field` names the offending field (the CLI flag's name)."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
 
 
 @dataclass

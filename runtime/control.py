@@ -33,7 +33,7 @@ import torch.distributed as dist
 from moewatch import wire
 from moewatch.plan import Plan, PlanError
 
-from .engine import EPEngine, LayerState
+from .ep_rank import EPEngine, LayerState
 from .placement import Transfer, changed_layers, plan_migration, slot_ranks
 from .probe import Probe
 
@@ -67,7 +67,7 @@ class Migration:
     layers_changed: int = 0
 
 
-class Controller:
+class PlanApplier:
     """Plan intake and application for one rank; every rank calls `boundary` at every step boundary."""
 
     def __init__(self, engine: EPEngine, *, group=None, probe: Probe | None = None,

@@ -34,8 +34,8 @@ from moewatch import wire
 from moewatch.plan import Plan
 
 from .config import RuntimeConfig, validate
-from .control import Controller
-from .engine import EPEngine
+from .control import PlanApplier
+from .ep_rank import EPEngine
 from .model import input_batch
 from .probe import RUNTIME_NAME, Probe, ProbeConfig
 from .sender import Sender
@@ -344,7 +344,7 @@ def _run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int, l
     engine_ref.append(engine)
     if probe is not None:
         probe.set_placement(engine.epoch, engine.placement, engine.capacity)
-    controller = Controller(engine, probe=probe, inbox=inbox, ack=sender.send_control if sender else None,
+    controller = PlanApplier(engine, probe=probe, inbox=inbox, ack=sender.send_control if sender else None,
                             layers_per_step=cfg.migrate_layers_per_step, inject_failure=cfg.inject_migration_failure)
     live.update(controller=controller, sender=sender)
     workload = Workload(cfg, rank)

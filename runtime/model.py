@@ -14,7 +14,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .capacity import apply_capacity, expert_capacity
+from moewatch.capacity import expert_capacity
+
+from .capacity import apply_capacity
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def route_layer(x_norm: torch.Tensor, valid: torch.Tensor, w_router: torch.Tenso
                 num_real: int | None = None):
     """Routing for one layer: scores, top-k (or the workload's ids), gate weights, capacity.
 
-    Returns (LayerRouting, CapacityResult). Padding tokens (valid False) get no pairs; num_real is
+    Returns (LayerRouting, CapacityAssignment). Padding tokens (valid False) get no pairs; num_real is
     their complement's size when the caller already knows it.
     """
     scores = router_scores(x_norm, w_router, spec.score)

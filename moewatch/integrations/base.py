@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
-from ..errors import FieldError
+from ..errors import InputError
 from ..plan import Plan
 from ..telemetry import Window
 from ..wire import Ack
@@ -31,7 +31,7 @@ PLACEMENT = "plan"
 CAPACITY = "capacity"
 
 
-class SourceError(FieldError):
+class SourceError(InputError):
     """A foreign file or exposition moewatch cannot use; `field` names the file (or URL) at fault."""
 
 

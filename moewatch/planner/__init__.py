@@ -10,9 +10,9 @@ The stable API (docs/planner.md):
 """
 
 from .affinity import load_from_trace, transitions_from_trace
-from .capacity import CapacityResult, capacity_for_target, overflow_rate
+from ..capacity import CapacityResult, capacity_for_target, step_overflow_rate
 from .cost import CostModel, fit as fit_cost_model, layer_seconds, migration_stall, plan_gain_seconds
-from .metrics import PlacementShapeError, balancedness, dispatch_cross_shares, transition_cross_shares
+from .placement_math import PlacementShapeError, dispatch_cross_shares, placement_balancedness, transition_cross_shares
 from .solve import PlacementResult, solve_placement
 
 __all__ = [
@@ -20,16 +20,16 @@ __all__ = [
     "CostModel",
     "PlacementResult",
     "PlacementShapeError",
-    "balancedness",
     "capacity_for_target",
     "dispatch_cross_shares",
     "fit_cost_model",
     "layer_seconds",
     "load_from_trace",
     "migration_stall",
-    "overflow_rate",
     "plan_gain_seconds",
+    "placement_balancedness",
     "solve_placement",
+    "step_overflow_rate",
     "transition_cross_shares",
     "transitions_from_trace",
 ]

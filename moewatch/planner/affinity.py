@@ -8,7 +8,7 @@ The objective counts a token's consecutive-layer pairs (every one of its k exper
 every one of its k experts at l + 1) that stay on one GPU (and, with several nodes, on one node)
 when the token stays on its expert's GPU between layers: the execution where this pays off is
 ExFlow's one all-to-all per layer. With the usual dispatch-and-return all-to-all each layer starts
-from the token's own rank again, and only the dispatch shares (metrics.dispatch_cross_shares)
+from the token's own rank again, and only the dispatch shares (placement_math.dispatch_cross_shares)
 matter.
 
 Method (affinity_placement): start from the balanced plan; group layer 0's experts by where their
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import balancedness, holders, pairs_from_groups, pairs_reaching_groups, replica_counts_of
+from .placement_math import holders, pairs_from_groups, pairs_reaching_groups, placement_balancedness, replica_counts_of
 from .packing import refine_by_swaps, replica_weights, replicas_in_order
 
 
@@ -226,7 +226,7 @@ def affinity_placement(load: np.ndarray, transitions: np.ndarray, start: np.ndar
     if L < 2 or W < 2 or transitions.sum() <= 0:
         return start.copy()
     counts = replica_counts_of(start, E)
-    floor_per_layer = np.minimum(floor, balancedness(load, start, W))
+    floor_per_layer = np.minimum(floor, placement_balancedness(load, start, W))
     mean = load.sum(axis=1) / W
     # Assign under a cap a little tighter than the floor: packing by score leaves some slack.
     cap = mean / np.minimum(floor_per_layer + 0.5 * (1.0 - floor_per_layer), 1.0)
@@ -234,14 +234,14 @@ def affinity_placement(load: np.ndarray, transitions: np.ndarray, start: np.ndar
 
     def place(layers: np.ndarray, score: np.ndarray) -> np.ndarray:
         proposal = assign_by_score(load[layers], counts[layers], score, W, cap[layers])
-        low = balancedness(load[layers], proposal, W) < floor_per_layer[layers]
+        low = placement_balancedness(load[layers], proposal, W) < floor_per_layer[layers]
         if low.any():
             proposal = refine_by_swaps(load[layers], proposal, W, num_nodes, layers=np.flatnonzero(low),
                                        target_max=target_max[layers], pairs=False)
         return proposal
 
     def meets_floor(layers: np.ndarray, proposal: np.ndarray) -> np.ndarray:
-        return balancedness(load[layers], proposal, W) >= floor_per_layer[layers]
+        return placement_balancedness(load[layers], proposal, W) >= floor_per_layer[layers]
 
     pmap = start.copy()
     first = np.array([0])

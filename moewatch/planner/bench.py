@@ -17,9 +17,10 @@ from typing import Any, Callable
 import click
 import numpy as np
 
+from ..cli_contract import OneLineCommand
 from . import eplb_reference as eplb
 from .affinity import load_from_trace, transitions_from_trace
-from .metrics import balancedness, contiguous_placement, dispatch_cross_shares, transition_cross_shares
+from .placement_math import contiguous_placement, dispatch_cross_shares, placement_balancedness, transition_cross_shares
 from .movement import align_to_current
 from .solve import solve_placement
 from .synthetic import LOAD_KINDS, affinity_trace, drifted, popularity, sample_load
@@ -62,8 +63,8 @@ def bench_balance(repeats: int, seed: int) -> list[dict[str, Any]]:
                                                                                      nodes, GPUS))):
                 emap, t = _median_time(fn, max(1, repeats // 3))
                 eplb_rows[policy] = {
-                    "balancedness": float(balancedness(load, emap, GPUS).mean()),
-                    "balancedness_min": float(balancedness(load, emap, GPUS).min()),
+                    "balancedness": float(placement_balancedness(load, emap, GPUS).mean()),
+                    "balancedness_min": float(placement_balancedness(load, emap, GPUS).min()),
                     "cross_node_share": float(dispatch_cross_shares(load, emap, GPUS, nodes)[1].mean()),
                     "cross_gpu_share": float(dispatch_cross_shares(load, emap, GPUS, nodes)[0].mean()),
                     "seconds": t["median"],
@@ -105,7 +106,7 @@ def bench_drift(seed: int) -> list[dict[str, Any]]:
             scratch_moves = int((scratch.physical_to_logical_map != in_force).sum())
             row = {
                 "load": kind, "nodes": nodes,
-                "balancedness_in_force": float(balancedness(after, in_force, GPUS).mean()),
+                "balancedness_in_force": float(placement_balancedness(after, in_force, GPUS).mean()),
                 "scratch": {"balancedness": float(scratch.balancedness_after.mean()), "experts_moved": scratch_moves},
                 "scratch_renamed": {"experts_moved": int((renamed != in_force).sum())},
                 "ours": {"balancedness": float(moved.balancedness_after.mean()),
@@ -142,9 +143,9 @@ def bench_affinity(tokens: int, seed: int) -> list[dict[str, Any]]:
             row[name] = {
                 "cross_gpu_fit": gpu_fit, "cross_gpu_held_out": gpu_held,
                 "cross_node_fit": node_fit, "cross_node_held_out": node_held,
-                "balancedness_fit": float(balancedness(load_fit, pmap, GPUS).mean()),
-                "balancedness_fit_min": float(balancedness(load_fit, pmap, GPUS).min()),
-                "balancedness_held_out": float(balancedness(load_held, pmap, GPUS).mean()),
+                "balancedness_fit": float(placement_balancedness(load_fit, pmap, GPUS).mean()),
+                "balancedness_fit_min": float(placement_balancedness(load_fit, pmap, GPUS).min()),
+                "balancedness_held_out": float(placement_balancedness(load_held, pmap, GPUS).mean()),
             }
         base = row["contiguous"]["cross_gpu_held_out"]
         row["cut_held_out"] = 1.0 - row["ours"]["cross_gpu_held_out"] / base
@@ -351,7 +352,7 @@ def render_markdown(r: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
-@click.command("planner")
+@click.command("planner", cls=OneLineCommand)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON only.")
 @click.option("--write", "write_path", type=click.Path(dir_okay=False), default=None,
               help="Write the results page here (docs/benchmarks/planner.md).")

@@ -14,40 +14,13 @@ from typing import Any
 import click
 import numpy as np
 
-from ..plan import Plan, PlanError
+from ..capacity import capacity_for_target
+from ..cli_contract import NamedOneLineCommand, fail_input
+from ..plan import Plan
 from .affinity import transitions_from_trace
-from .capacity import capacity_for_target
 from .cost import CostModel, fit as fit_cost_model, sweep
-from .files import PLAN_FORMATS, FileFormatError, read_affinity, read_load, read_plan, write_plan
-from .metrics import PlacementShapeError
+from .files import PLAN_FORMATS, read_affinity, read_load, read_plan, write_plan
 from .solve import solve_placement
-
-
-class _BadInput(click.ClickException):
-    """One line on stderr, exit 2 (the CLI contract), instead of click's usage block."""
-
-    exit_code = 2
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"moewatch: error: {self.format_message()}", err=True)
-
-
-class _OneLineCommand(click.Command):
-    """Turns click's own usage errors and the planner's input errors into one line, exit 2."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as exc:
-            raise _BadInput(f"{self.name}: {exc.format_message()}") from None
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except click.UsageError as exc:
-            raise _BadInput(f"{self.name}: {exc.format_message()}") from None
-        except (FileFormatError, PlacementShapeError, PlanError) as exc:
-            raise _BadInput(f"{self.name}: {exc}") from None
 
 
 class _IntList(click.ParamType):
@@ -67,13 +40,9 @@ class _IntList(click.ParamType):
         return items
 
 
-def _fail(message: str) -> None:
-    raise _BadInput(message)
-
-
 # --- moewatch plan ------------------------------------------------------------------------------
 
-@click.command("plan", cls=_OneLineCommand)
+@click.command("plan", cls=NamedOneLineCommand)
 @click.option("--load", "load_path", required=True, type=click.Path(dir_okay=False),
               help="Pairs per expert: .npy, .json ([L][E] or {logical_count}) or SGLang's .pt stat dump.")
 @click.option("--gpus", type=click.IntRange(min=1), required=True, help="GPUs (EP ranks) W.")
@@ -114,14 +83,14 @@ def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path
     """Solve an expert placement from a load file and write the plan."""
     out = Path(out_path)
     if not out.parent.is_dir():
-        _fail(f"--out: folder {str(out.parent)!r} does not exist")
+        fail_input(f"--out: folder {str(out.parent)!r} does not exist")
     loads = read_load(load_path)
     L, E = loads.load.shape
     current = read_plan(current_path) if current_path else None
     if current is not None and current.num_layers != L:
-        _fail(f"--current: plan has {current.num_layers} layers, the load has {L}")
+        fail_input(f"--current: plan has {current.num_layers} layers, the load has {L}")
     if current is not None and slots is not None and current.num_slots != slots:
-        _fail(f"--slots: {slots} differs from the current plan's {current.num_slots} slots")
+        fail_input(f"--slots: {slots} differs from the current plan's {current.num_slots} slots")
     transitions = None
     if affinity_path:
         kind, data = read_affinity(affinity_path, L, E)
@@ -129,7 +98,7 @@ def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path
     capacity = None
     if capacity_target is not None:
         if loads.steps is None:
-            _fail("--capacity-target: needs per-step loads [steps, layers, experts]; the load file has one [L, E]")
+            fail_input("--capacity-target: needs per-step loads [steps, layers, experts]; the load file has one [L, E]")
         capacity = capacity_for_target(loads.steps, top_k, capacity_target, hidden_bytes)
 
     result = solve_placement(loads.load, gpus, slots, nodes,
@@ -151,7 +120,7 @@ def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path
     try:
         write_plan(out, new_plan, fmt)
     except OSError as exc:
-        _fail(f"--out: cannot write {out_path} ({exc.strerror or exc})")
+        fail_input(f"--out: cannot write {out_path} ({exc.strerror or exc})")
     summary.update(epoch=new_epoch, out=str(out), format=fmt)
     if as_json:
         click.echo(json.dumps(summary))
@@ -183,7 +152,7 @@ def _plan_text(s: dict[str, Any]) -> str:
 
 # --- moewatch whatif ----------------------------------------------------------------------------
 
-@click.command("whatif", cls=_OneLineCommand)
+@click.command("whatif", cls=NamedOneLineCommand)
 @click.option("--experts", type=_IntList(), default="2,4,8,16,32,64,128,256,512", show_default=True,
               help="Expert counts to sweep.")
 @click.option("--ranks", type=_IntList(), default=None,
@@ -212,10 +181,10 @@ def whatif(experts: list[int], ranks: list[int] | None, experts_per_rank: int, t
     if fit_paths:
         model, report = fit_cost_model([_read_window(p) for p in fit_paths], model)
     if plot_path and not Path(plot_path).parent.is_dir():
-        _fail(f"--plot: folder {str(Path(plot_path).parent)!r} does not exist")
+        fail_input(f"--plot: folder {str(Path(plot_path).parent)!r} does not exist")
     rows = sweep(model, experts, ranks, tokens, top_k, hidden_bytes, ranks_per_node, experts_per_rank)
     if not rows:
-        _fail("nothing to sweep: every expert count is below --top-k or no listed rank count divides it")
+        fail_input("nothing to sweep: every expert count is below --top-k or no listed rank count divides it")
     best = []
     for n in tokens:
         mine = [r for r in rows if r["tokens"] == n]
@@ -247,15 +216,15 @@ def _read_model(path: str) -> CostModel:
     try:
         data = json.loads(Path(path).read_text())
     except OSError as exc:
-        _fail(f"--model: cannot read {path} ({exc.strerror or exc})")
+        fail_input(f"--model: cannot read {path} ({exc.strerror or exc})")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        _fail(f"--model: {path} is not valid JSON ({exc})")
+        fail_input(f"--model: {path} is not valid JSON ({exc})")
     if not isinstance(data, dict):
-        _fail(f"--model: {path} must hold an object of parameters")
+        fail_input(f"--model: {path} must hold an object of parameters")
     try:
         return CostModel.from_dict(data)
     except ValueError as exc:
-        _fail(f"--model: {path}: {exc}")
+        fail_input(f"--model: {path}: {exc}")
     raise AssertionError("unreachable")
 
 
@@ -265,11 +234,11 @@ def _read_window(path: str) -> Any:
     try:
         blob = Path(path).read_bytes()
     except OSError as exc:
-        _fail(f"--fit: cannot read {path} ({exc.strerror or exc})")
+        fail_input(f"--fit: cannot read {path} ({exc.strerror or exc})")
     try:
         return Window.from_bytes(blob) if blob[:4] == b"MWW1" else Window.from_json(blob)
     except WindowError as exc:
-        _fail(f"--fit: {path}: invalid window: {exc}")
+        fail_input(f"--fit: {path}: invalid window: {exc}")
     raise AssertionError("unreachable")
 
 

@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .metrics import holders
+from .placement_math import holders
 
 
 @dataclass(frozen=True)

@@ -24,17 +24,18 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
 from ..plan import Plan, PlanError
 
 PLAN_FORMATS = ("moewatch", "sglang")
 
 
-class FileFormatError(ValueError):
-    """A file the planner cannot use; the message names the file and the field."""
+class FileFormatError(InputError):
+    """A file the planner cannot use; the message names the file and the field (`field` is the path)."""
 
     def __init__(self, path: str | Path, message: str):
         self.path = str(path)
-        super().__init__(f"{path}: {message}")
+        super().__init__(self.path, message)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import balancedness, gpu_load, holders, replica_counts_of
+from .placement_math import gpu_load, holders, placement_balancedness, replica_counts_of
 from .packing import refine_by_swaps, replica_weights
 
 
@@ -192,9 +192,9 @@ def minimal_movement(load: np.ndarray, current: np.ndarray, scratch: np.ndarray,
     load = np.asarray(load, dtype=np.float64)
     L, E = load.shape
     W = num_gpus
-    target = balancedness(load, scratch, W) * (1.0 - tolerance)
+    target = placement_balancedness(load, scratch, W) * (1.0 - tolerance)
     mean = load.sum(axis=1) / W
-    now = balancedness(load, current, W)
+    now = placement_balancedness(load, current, W)
     plan = current.copy()
     how = np.array(["kept"] * L, dtype=object)
     todo = np.flatnonzero(now < target)
@@ -209,7 +209,7 @@ def minimal_movement(load: np.ndarray, current: np.ndarray, scratch: np.ndarray,
     repaired = apply_count_changes(load[todo], current[todo], counts, W, num_nodes)
     target_max = mean[todo] / target[todo]
     repaired = refine_by_swaps(load[todo], repaired, W, num_nodes, target_max=target_max, pairs=False)
-    repaired_ok = balancedness(load[todo], repaired, W) >= target[todo]
+    repaired_ok = placement_balancedness(load[todo], repaired, W) >= target[todo]
     repaired_moves = (repaired != current[todo]).sum(axis=1)
     renamed_moves = (renamed != current[todo]).sum(axis=1)
     take_repair = repaired_ok & (repaired_moves <= renamed_moves)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import holders, replica_counts_of
+from .placement_math import holders, replica_counts_of
 
 # Candidate swaps are evaluated [layers, S, W, S] at a time; keep one block under this many.
 _SWAP_BLOCK_ELEMENTS = 1 << 21

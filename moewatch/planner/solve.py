@@ -22,8 +22,8 @@ import numpy as np
 
 from ..plan import PlanError, check_placement
 from .affinity import affinity_placement
-from .metrics import (PlacementShapeError, balancedness, check_sizes, contiguous_placement,
-                      dispatch_cross_shares, experts_moved, replica_counts_of, transition_cross_shares)
+from .placement_math import (PlacementShapeError, check_sizes, contiguous_placement, dispatch_cross_shares,
+                             experts_moved, placement_balancedness, replica_counts_of, transition_cross_shares)
 from .movement import align_to_current, minimal_movement
 from .packing import pack
 from .replicate import capped_replica_counts, replica_counts
@@ -147,8 +147,8 @@ def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_
         method=method,
         num_gpus=W,
         num_nodes=N,
-        balancedness_before=balancedness(load_arr, before, W),
-        balancedness_after=balancedness(load_arr, pmap, W),
+        balancedness_before=placement_balancedness(load_arr, before, W),
+        balancedness_after=placement_balancedness(load_arr, pmap, W),
         experts_moved=moved,
         bytes_moved=None if expert_bytes is None else float(moved.sum()) * float(expert_bytes),
         cross_gpu_share_before=gpu_before,
@@ -200,7 +200,7 @@ def no_worse_than_least_replication(load: np.ndarray, pmap: np.ndarray, num_gpus
     P0 = -(-E // W) * W
     if P0 == P:
         return pmap
-    ours = balancedness(load, pmap, W)
+    ours = placement_balancedness(load, pmap, W)
     mean = load.sum(axis=1) / W
     counts0 = replica_counts(load, P0)
     heaviest = (load / counts0).max(axis=1)
@@ -211,10 +211,10 @@ def no_worse_than_least_replication(load: np.ndarray, pmap: np.ndarray, num_gpus
     sub = load[layers]
     least = pack(sub, counts0[layers], W, num_nodes)
     embedded = _embed(least, E, W, P)
-    least_bal = balancedness(sub, least, W)
+    least_bal = placement_balancedness(sub, least, W)
     out = pmap.copy()
     for i, layer in enumerate(layers):
-        if embedded[i] is not None and balancedness(sub[i:i + 1], embedded[i][None], W)[0] > ours[layer]:
+        if embedded[i] is not None and placement_balancedness(sub[i:i + 1], embedded[i][None], W)[0] > ours[layer]:
             out[layer] = embedded[i]
         elif embedded[i] is None and least_bal[i] > ours[layer]:
             # No exact embedding (a GPU holds no expert of its own): search slot by slot instead,
@@ -222,7 +222,7 @@ def no_worse_than_least_replication(load: np.ndarray, pmap: np.ndarray, num_gpus
             grown = _refine_slots(sub[i], _grow(least[i], W, P), W)
             refined = _refine_slots(sub[i], pmap[layer], W)
             best = max((grown, refined, pmap[layer]),
-                       key=lambda row: balancedness(sub[i:i + 1], row[None], W)[0])
+                       key=lambda row: placement_balancedness(sub[i:i + 1], row[None], W)[0])
             out[layer] = best
     return out
 

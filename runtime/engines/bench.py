@@ -25,6 +25,8 @@ from pathlib import Path
 
 import click
 
+from moewatch.cli_contract import OneLineCommand
+
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 
 
@@ -122,7 +124,7 @@ def _round(proc: subprocess.Popen) -> dict:
     return json.loads(line)
 
 
-@click.command("vllm")
+@click.command("vllm", cls=OneLineCommand)
 @click.option("--python", "python", default=DEFAULT_PYTHON, show_default=True,
               help="Python of the environment vLLM is installed in (with moewatch installed into it).")
 @click.option("--model", default=None, help="Model folder; default: a tiny random Qwen3-MoE built here.")

@@ -74,3 +74,30 @@ def test_every_startup_or_config_error_is_one_line_and_exit_2(tmp_path):
     assert stat.S_ISSOCK(os.lstat(live_path).st_mode)
     assert not (tmp_path / "a.sock").exists()
     live.close()
+
+
+def test_every_verb_takes_the_one_line_path():
+    import importlib
+
+    import click
+
+    from moewatch.bench import SUBCOMMANDS
+    from moewatch.cli import VERBS
+    from moewatch.cli_contract import OneLineCommand
+
+    commands = {}
+    for name, (target, _) in {**VERBS, **{f"bench {k}": v for k, v in SUBCOMMANDS.items()}}.items():
+        module, attr = target.split(":")
+        commands[name] = getattr(importlib.import_module(module), attr)
+    leaves = {name: cmd for name, cmd in commands.items() if not isinstance(cmd, click.Group)}
+    assert "bench" not in leaves and len(leaves) == len(commands) - 1
+    assert [name for name, cmd in leaves.items() if not isinstance(cmd, OneLineCommand)] == []
+
+
+@pytest.mark.parametrize("verb", ["diagnose", "plan", "agent", "report"])
+def test_an_unknown_flag_is_one_line_and_exit_2_for_every_kind_of_verb(verb):
+    proc = subprocess.run([sys.executable, "-m", "moewatch.cli", verb, "--no-such-flag"], capture_output=True,
+                          text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(lines) == 1 and lines[0].startswith("moewatch: error: ") and "--no-such-flag" in lines[0]

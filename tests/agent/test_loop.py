@@ -10,7 +10,7 @@ import numpy as np
 from moewatch import wire
 from moewatch.agent.audit import read_audit
 from moewatch.integrations.sglang.actuator import SGLangActuator
-from moewatch.planner import metrics as pm
+from moewatch.planner import placement_math as pm
 from moewatch.plan import Plan
 
 L, E, P, W = 2, 8, 12, 4

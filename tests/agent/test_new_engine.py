@@ -14,7 +14,7 @@ import pytest
 from moewatch.agent.audit import read_audit
 from moewatch.integrations import registry
 from moewatch.integrations.base import PLACEMENT, Actuation, ActuatorProperties, Integration
-from moewatch.planner import metrics as pm
+from moewatch.planner import placement_math as pm
 from moewatch.wire import Ack
 
 L, E, P, W = 2, 8, 12, 4
@@ -110,7 +110,7 @@ def test_a_new_engine_is_ingested_triaged_decided_and_applied(toy_engine, start_
     latest = group.latest()
     assert latest.window.runtime == RUNTIME
     assert {d.verdict for d in latest.diagnosis.layers} == {"imbalance-bound"}
-    before = pm.balancedness(engine.load.astype(float), helpers.contiguous(L, E, P), W)
+    before = pm.placement_balancedness(engine.load.astype(float), helpers.contiguous(L, E, P), W)
 
     daemon.plan_job()
 
@@ -119,7 +119,7 @@ def test_a_new_engine_is_ingested_triaged_decided_and_applied(toy_engine, start_
     (sent_to, plan), = actuator.plans
     assert sent_to == key and plan.epoch == 1
     assert (pm.replica_counts_of(plan.physical_to_logical_map, E)[:, 0] > 1).all(), "the hot expert got replicas"
-    after = pm.balancedness(engine.load.astype(float), plan.physical_to_logical_map, W)
+    after = pm.placement_balancedness(engine.load.astype(float), plan.physical_to_logical_map, W)
     assert (after > before + 0.1).all()
     # The new epoch's windows come from the source; the agent keeps the plan on their evidence.
     assert helpers.wait_for(lambda: any(r["event"] == "verified" for r in read_audit(daemon.cfg.log.audit_log)))

@@ -14,7 +14,7 @@ from moewatch.agent.metrics.state import MetricsState
 from moewatch.agent.metrics.windows import GroupExportMemory, record_window
 from moewatch.agent.params import from_config
 from moewatch.agent.store import TriagedWindow
-from moewatch.planner import metrics as pm
+from moewatch.planner import placement_math as pm
 from moewatch.triage import diagnose
 
 W, L, E, P = 4, 2, 8, 12  # 2 nodes of 2 ranks

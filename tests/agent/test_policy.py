@@ -11,7 +11,7 @@ from moewatch.agent.params import from_config
 from moewatch.agent.store import TriagedWindow
 from moewatch.integrations import registry
 from moewatch.integrations.reference.actuator import RuntimeActuator
-from moewatch.planner import metrics as pm
+from moewatch.planner import placement_math as pm
 from moewatch.triage import diagnose
 
 W, L, E, P = 4, 2, 8, 12
@@ -48,8 +48,8 @@ def test_hot_expert_is_replicated_and_balancedness_rises(helpers):
     counts = pm.replica_counts_of(proposal.physical_to_logical_map, E)
     assert (counts[:, 0] > 1).all(), "the hot expert got replicas"
     assert (counts <= 4).all()
-    before = pm.balancedness(load.astype(float), pmap, W)
-    after = pm.balancedness(load.astype(float), proposal.physical_to_logical_map, W)
+    before = pm.placement_balancedness(load.astype(float), pmap, W)
+    after = pm.placement_balancedness(load.astype(float), proposal.physical_to_logical_map, W)
     assert (after > before + 0.1).all()
     # The decision carries its numbers, before and after.
     d = proposal.decisions[0]
@@ -135,6 +135,21 @@ def test_capacity_raise_is_bounded(helpers):
     assert (proposal.capacity_factor > 1.25).all()
     at_bound = policy.decide(v, cfg(policy={"capacity_factor_max": 1.25}).policy, 0.0)
     assert all(d.result == "skipped" and "bound" in d.reason for d in at_bound.decisions if d.kind == "capacity")
+
+
+def test_capacity_raise_is_the_per_step_solve_over_the_evidence_windows():
+    from moewatch.capacity import capacity_for_windows
+    from moewatch.examples import scenario, simulate
+
+    s = scenario("overflow", world_size=4, num_experts=8, num_layers=2)
+    windows = [TriagedWindow(w, diagnose(w), 0.0) for w in
+               (simulate(s, seed=i, start_time=1000.0 + 10 * i) for i in range(3))]
+    c = cfg(capacity_factor_max=8.0)
+    proposal = policy.decide(view(windows, num_experts=8, num_slots=8), c, 0.0)
+    wanted = [capacity_for_windows([e.window for e in windows], layer, c.thresholds.overflow_target)
+              for layer in range(2)]
+    expected = [min(max(x, c.capacity_factor_min), c.thresholds.max_capacity_factor) for x in wanted]
+    assert proposal.capacity_factor.tolist() == pytest.approx(expected)
 
 
 def test_verify_keeps_a_good_plan_and_rolls_back_a_bad_one(helpers):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moewatch.planner.metrics import dispatch_cross_share, dispatch_cross_shares
+from moewatch.planner.placement_math import dispatch_cross_share, dispatch_cross_shares
 
 
 def reference_cross_share(load, pmap, num_groups):

@@ -128,6 +128,32 @@ def test_per_rank_slot_sums_must_match_local_plus_received(window):
         Window.from_dict(data)
 
 
+PHASES = ("dispatch_seconds", "combine_seconds", "compute_seconds")
+
+
+@pytest.mark.parametrize("name", PHASES)
+def test_a_phase_longer_than_its_layer_is_rejected_naming_layer_and_rank(window, name):
+    # Layer 3 on rank 1 takes 2 ms; its phase is said to take 5 ms: the all-to-all share would pass 1.
+    data = window.to_dict()
+    data["layer_seconds"][3][1] = 0.002
+    for phase in PHASES:
+        data[phase][3][1] = 0.0005
+    data[name][3][1] = 0.005
+    with pytest.raises(WindowError) as err:
+        Window.from_dict(data)
+    assert err.value.field == f"{name}[3][1]"
+    assert "layer_seconds" in str(err.value)
+
+
+def test_a_phase_within_timer_granularity_of_its_layer_is_accepted(window):
+    # Clocks read on different streams: a phase 0.05 % longer than its layer is granularity, not a lie.
+    data = window.to_dict()
+    data["layer_seconds"][3][1] = 0.002
+    for name in PHASES:
+        data[name][3][1] = 0.002 * (1 + 5e-4)
+    assert Window.from_dict(data).dispatch_seconds[3, 1] == pytest.approx(0.002 * (1 + 5e-4))
+
+
 def test_nan_literals_in_json_are_rejected(window):
     text = window.to_json().replace('"start_time": 1', '"start_time": NaN, "x": 1', 1)
     with pytest.raises(WindowError):

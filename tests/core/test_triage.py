@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from moewatch import telemetry as tm
 from moewatch.examples import SCENARIOS, simulate
 from moewatch.thresholds import Thresholds
-from moewatch.triage import capacity_for_overflow, diagnose, overflow_at_capacity, pack_max_load
+from moewatch.capacity import mean_load_capacities, mean_load_overflow_rates
+from moewatch.triage import diagnose, pack_max_loads
 
 W = 4
 
@@ -147,17 +148,17 @@ def test_summary_ranks_unhealthy_layers_first_and_names_the_slowest_rank():
 # --- estimates behind the gains ---------------------------------------------------------------
 
 def test_capacity_for_overflow_solves_the_overflow_equation():
-    load = np.array([100.0, 40, 30, 30])  # mean 50
-    c = capacity_for_overflow(load, 0.05)  # budget 10 pairs: cap at 90 -> C = 1.8
-    assert c == pytest.approx(1.8)
-    assert overflow_at_capacity(load, c) == pytest.approx(0.05)
-    assert capacity_for_overflow(load, 0.0) == pytest.approx(2.0)
-    assert capacity_for_overflow(np.zeros(4), 0.01) == 0.0
+    load = np.array([[100.0, 40, 30, 30]])  # mean 50
+    c = mean_load_capacities(load, 0.05)  # budget 10 pairs: cap at 90 -> C = 1.8
+    assert c == pytest.approx([1.8])
+    assert mean_load_overflow_rates(load, c) == pytest.approx([0.05])
+    assert mean_load_capacities(load, 0.0) == pytest.approx([2.0])
+    assert mean_load_capacities(np.zeros((1, 4)), 0.01).tolist() == [0.0]
 
 
 def test_pack_max_load_respects_slots_per_rank():
-    assert pack_max_load(np.array([5.0, 5, 1, 1]), 2, 2) == 6.0
-    assert pack_max_load(np.array([9.0, 1, 1, 1]), 2, 2) == 10.0
+    assert pack_max_loads(np.array([[5.0, 5, 1, 1]]), 2, 2).tolist() == [6.0]
+    assert pack_max_loads(np.array([[9.0, 1, 1, 1]]), 2, 2).tolist() == [10.0]
 
 
 # --- properties ---------------------------------------------------------------------------------

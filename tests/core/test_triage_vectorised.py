@@ -12,10 +12,10 @@ import math
 import numpy as np
 import pytest
 
+from moewatch.capacity import mean_load_capacities, mean_load_overflow_rates
 from moewatch.examples import SCENARIOS, production_window, scenario, simulate, without_evidence
 from moewatch.thresholds import Thresholds
-from moewatch.triage import (IMBALANCE_BOUND, capacities_for_overflow, diagnose, overflows_at_capacity,
-                             pack_max_loads, replica_splits)
+from moewatch.triage import IMBALANCE_BOUND, diagnose, pack_max_loads, replica_splits
 
 
 # --- the reference: the loops, as they were ---------------------------------------------------
@@ -140,10 +140,11 @@ def test_replica_split_and_capacity_estimates_equal_the_loops():
             assert used[i] == len(ref) and np.array_equal(np.sort(split[i, :used[i]]), np.sort(ref))
             assert not split[i, used[i]:].any()
         target = float(rng.choice([0.0, 0.01, 0.05, 0.3]))
-        caps = capacities_for_overflow(load, target)
+        caps = mean_load_capacities(load, target)
         assert caps.tolist() == [ref_capacity_for_overflow(row, target) for row in load]
-        assert overflows_at_capacity(load, caps).tolist() == [ref_overflow_at_capacity(r, c) for r, c in zip(load, caps)]
-    assert capacities_for_overflow(np.zeros((2, 4)), 0.01).tolist() == [0.0, 0.0]
+        assert (mean_load_overflow_rates(load, caps).tolist()
+                == [ref_overflow_at_capacity(r, c) for r, c in zip(load, caps)])
+    assert mean_load_capacities(np.zeros((2, 4)), 0.01).tolist() == [0.0, 0.0]
 
 
 def random_windows():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moewatch.planner import affinity, metrics, packing, replicate, solve_placement
+from moewatch.checks import is_valid_placement
+from moewatch.planner import affinity, packing, placement_math, replicate, solve_placement
 from moewatch.planner.synthetic import affinity_trace
 
 
@@ -27,9 +28,9 @@ def test_scores_count_each_kept_pair_once_from_each_side(rng):
     layers = np.arange(L)
     score = affinity.layer_scores(t, pmap, layers, E, W)
     total = affinity.placement_score(score, pmap, W).sum()
-    cross, _ = metrics.transition_cross_shares(t, pmap, W)
+    cross, _ = placement_math.transition_cross_shares(t, pmap, W)
     # with no expert twice on one GPU, in-scores and out-scores each add up to the kept pairs
-    assert (metrics.holders(pmap, E, W) <= 1).all()
+    assert (placement_math.holders(pmap, E, W) <= 1).all()
     assert np.isclose(total, 2 * (1 - cross) * t.sum())
 
 
@@ -50,11 +51,11 @@ def test_planted_affinity_is_found_on_held_out_tokens_under_the_floor():
     load = affinity.load_from_trace(fit, E)
     result = solve_placement(load, W, P, 2, affinity=affinity.transitions_from_trace(fit, E), balancedness_floor=0.95)
     pmap = result.physical_to_logical_map
-    assert metrics.is_valid_placement(pmap, E, W)
+    assert is_valid_placement(pmap, E, W)
     assert (result.balancedness_after >= 0.95 - 1e-12).all()
     held_t = affinity.transitions_from_trace(held, E)
-    contiguous, _ = metrics.transition_cross_shares(held_t, metrics.contiguous_placement(L, E, P), W, 2)
-    ours, _ = metrics.transition_cross_shares(held_t, pmap, W, 2)
+    contiguous, _ = placement_math.transition_cross_shares(held_t, placement_math.contiguous_placement(L, E, P), W, 2)
+    ours, _ = placement_math.transition_cross_shares(held_t, pmap, W, 2)
     assert ours < 0.75 * contiguous
     assert result.transition_cross_gpu_after < result.transition_cross_gpu_before
 

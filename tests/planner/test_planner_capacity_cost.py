@@ -5,22 +5,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moewatch.planner import capacity, cost, metrics, solve_placement
+from moewatch import capacity
+from moewatch.planner import cost, placement_math, solve_placement
 
 
-def test_overflow_rate_by_hand():
+def test_step_overflow_rate_by_hand():
     # one step, one layer, experts [6, 2, 2, 2]: mean 3; at C = 1 capacity 3 -> 3 of 12 pairs overflow
     steps = np.array([[[6.0, 2.0, 2.0, 2.0]]])
-    assert capacity.overflow_rate(steps, np.array([1.0])) == pytest.approx([0.25])
-    assert capacity.overflow_rate(steps, np.array([2.0])) == pytest.approx([0.0])
+    assert capacity.step_overflow_rate(steps, np.array([1.0])) == pytest.approx([0.25])
+    assert capacity.step_overflow_rate(steps, np.array([2.0])) == pytest.approx([0.0])
 
 
 def test_capacity_is_the_smallest_factor_meeting_the_target(rng):
     steps = rng.poisson(rng.lognormal(3, 0.7, size=(1, 3, 32)), size=(40, 3, 32)).astype(float)
     result = capacity.capacity_for_target(steps, top_k=4, target=0.01, hidden_bytes=100)
     c = result.capacity_factor
-    assert (capacity.overflow_rate(steps, c) <= 0.01).all()
-    assert (capacity.overflow_rate(steps, c - 0.002) > 0.01).all()  # rounded up to 1e-3 only
+    assert (capacity.step_overflow_rate(steps, c) <= 0.01).all()
+    assert (capacity.step_overflow_rate(steps, c - 0.002) > 0.01).all()  # rounded up to 1e-3 only
     assert np.allclose(result.buffer_pairs, c * steps.sum(axis=2).max(axis=0))
     assert np.allclose(result.buffer_bytes, 100 * result.buffer_pairs)
     assert np.allclose(result.tokens_per_step, steps[:, 0].sum(axis=1) / 4)
@@ -45,7 +46,7 @@ def test_expected_traffic_follows_the_replica_choice(rng):
     traffic = cost.expected_traffic(load, pmap, 8, 2)
     assert np.allclose(traffic.sum(axis=(1, 2)), load.sum(axis=1))
     local = np.trace(traffic, axis1=1, axis2=2) / load.sum(axis=1)
-    cross_gpu, cross_node = metrics.dispatch_cross_shares(load, pmap, 8, 2)
+    cross_gpu, cross_node = placement_math.dispatch_cross_shares(load, pmap, 8, 2)
     assert np.allclose(1 - local, cross_gpu)
     per = cost.rank_traffic(traffic, 2)
     assert np.allclose(per["send_inter"].sum(axis=1) / load.sum(axis=1), cross_node)
@@ -109,6 +110,6 @@ def test_cost_model_from_dict_rejects_bad_parameters():
 def test_layer_seconds_prefers_the_balanced_plan(rng):
     load = rng.lognormal(0, 1.5, size=(2, 32)) * 200
     balanced = solve_placement(load, 8, 40).physical_to_logical_map
-    contiguous = metrics.contiguous_placement(2, 32, 40)
+    contiguous = placement_math.contiguous_placement(2, 32, 40)
     gain = cost.plan_gain_seconds(cost.CostModel(), load, contiguous, balanced, 8, 14336)
     assert gain > 0

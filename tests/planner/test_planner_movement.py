@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moewatch.planner import metrics, movement, solve_placement
+from moewatch.checks import is_valid_placement
+from moewatch.planner import movement, placement_math, solve_placement
 from moewatch.planner.synthetic import drifted, popularity, sample_load
 
 
@@ -22,12 +23,13 @@ def test_align_to_current_keeps_loads_and_node_sets_and_slots(rng):
     current = solve_placement(load, 8, 40, 2).physical_to_logical_map
     scratch = solve_placement(load * rng.lognormal(0, 0.2, size=load.shape), 8, 40, 2).physical_to_logical_map
     aligned = movement.align_to_current(scratch, current, 8, 2)
-    assert np.allclose(np.sort(metrics.gpu_load(load, aligned, 8), axis=1),
-                       np.sort(metrics.gpu_load(load, scratch, 8), axis=1))
+    assert np.allclose(np.sort(placement_math.gpu_load(load, aligned, 8), axis=1),
+                       np.sort(placement_math.gpu_load(load, scratch, 8), axis=1))
     for pmap in (scratch, aligned):
-        assert metrics.is_valid_placement(pmap, 32, 8)
-    assert np.allclose(metrics.dispatch_cross_shares(load, aligned, 8, 2), metrics.dispatch_cross_shares(load, scratch, 8, 2))
-    assert metrics.experts_moved(current, aligned).sum() <= metrics.experts_moved(current, scratch).sum()
+        assert is_valid_placement(pmap, 32, 8)
+    assert np.allclose(placement_math.dispatch_cross_shares(load, aligned, 8, 2),
+                       placement_math.dispatch_cross_shares(load, scratch, 8, 2))
+    assert placement_math.experts_moved(current, aligned).sum() <= placement_math.experts_moved(current, scratch).sum()
     # renaming the same plan back onto itself moves nothing, even shuffled
     shuffled = current.reshape(3, 8, 5)[:, ::-1, ::-1].reshape(3, 40)
     assert (movement.align_to_current(shuffled, current, 8) == current).all()
@@ -55,11 +57,11 @@ def test_after_drift_moves_few_and_stays_within_tolerance(seed):
     in_force = solve_placement(before, W, P).physical_to_logical_map
     scratch = solve_placement(after, W, P)
     ours = solve_placement(after, W, P, current=in_force, tolerance=0.005, expert_bytes=1000)
-    assert metrics.is_valid_placement(ours.physical_to_logical_map, before.shape[1], W)
+    assert is_valid_placement(ours.physical_to_logical_map, before.shape[1], W)
     assert (ours.balancedness_after >= scratch.balancedness_after * (1 - 0.005) - 1e-12).all()
-    scratch_moves = metrics.experts_moved(in_force, scratch.physical_to_logical_map).sum()
+    scratch_moves = placement_math.experts_moved(in_force, scratch.physical_to_logical_map).sum()
     renamed = movement.align_to_current(scratch.physical_to_logical_map, in_force, W)
-    assert ours.experts_moved.sum() <= metrics.experts_moved(in_force, renamed).sum()
+    assert ours.experts_moved.sum() <= placement_math.experts_moved(in_force, renamed).sum()
     assert ours.experts_moved.sum() <= 0.5 * scratch_moves
     assert ours.bytes_moved == 1000.0 * ours.experts_moved.sum()
 

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import example, given, settings, strategies as st
 
 from moewatch.planner import eplb_reference as eplb
-from moewatch.planner import metrics, packing, replicate, solve_placement
+from moewatch.planner import packing, placement_math, replicate, solve_placement
 
 
 @st.composite
@@ -48,7 +48,7 @@ def _check_valid(pmap: np.ndarray, L: int, E: int, W: int, P: int) -> None:
     assert pmap.shape == (L, P)
     assert P % W == 0  # every GPU owns exactly P / W consecutive slots
     assert pmap.min() >= 0 and pmap.max() < E
-    assert (metrics.replica_counts_of(pmap, E) >= 1).all()
+    assert (placement_math.replica_counts_of(pmap, E) >= 1).all()
 
 
 @settings(max_examples=60, deadline=None)
@@ -94,17 +94,17 @@ def test_swaps_never_raise_the_busiest_gpu_and_keep_counts_and_node_spread(probl
     E = load.shape[1]
     counts = replicate.replica_counts(load, P)
     start = packing.lpt_pack(load, counts, W, N)
-    assert (metrics.replica_counts_of(start, E) == counts).all()
+    assert (placement_math.replica_counts_of(start, E) == counts).all()
     refined = packing.refine_by_swaps(load, start, W, N)
-    assert (metrics.replica_counts_of(refined, E) == counts).all()
-    before = metrics.gpu_load(load, start, W).max(axis=1)
-    after = metrics.gpu_load(load, refined, W).max(axis=1)
+    assert (placement_math.replica_counts_of(refined, E) == counts).all()
+    before = placement_math.gpu_load(load, start, W).max(axis=1)
+    after = placement_math.gpu_load(load, refined, W).max(axis=1)
     assert (after <= before * (1 + 1e-12) + 1e-9).all()
-    nodes_before = (metrics.holders(start, E, N) > 0).sum(axis=2)
-    nodes_after = (metrics.holders(refined, E, N) > 0).sum(axis=2)
+    nodes_before = (placement_math.holders(start, E, N) > 0).sum(axis=2)
+    nodes_after = (placement_math.holders(refined, E, N) > 0).sum(axis=2)
     assert (nodes_after >= nodes_before).all()
-    gpus_dup_before = (metrics.holders(start, E, W) > 1).sum()
-    assert (metrics.holders(refined, E, W) > 1).sum() <= gpus_dup_before
+    gpus_dup_before = (placement_math.holders(start, E, W) > 1).sum()
+    assert (placement_math.holders(refined, E, W) > 1).sum() <= gpus_dup_before
 
 
 @settings(max_examples=30, deadline=None)
@@ -120,14 +120,14 @@ def test_eplb_reference_plans_are_valid(problem):
 def test_hierarchical_eplb_keeps_each_expert_on_one_node(rng):
     load = rng.lognormal(0, 1, size=(4, 32))
     pmap = eplb.rebalance_hierarchical(load, 40, 8, 4, 8)
-    assert ((metrics.holders(pmap, 32, 4) > 0).sum(axis=2) == 1).all()
+    assert ((placement_math.holders(pmap, 32, 4) > 0).sum(axis=2) == 1).all()
 
 
 def test_topology_aware_packing_spreads_replicas_over_nodes(rng):
     load = rng.lognormal(0, 1.5, size=(6, 64))
     flat = solve_placement(load, 16, 96, 1).physical_to_logical_map
     aware = solve_placement(load, 16, 96, 4)
-    _, flat_node = metrics.dispatch_cross_shares(load, flat, 16, 4)
+    _, flat_node = placement_math.dispatch_cross_shares(load, flat, 16, 4)
     assert aware.cross_node_share_after.mean() < flat_node.mean()
     assert aware.balancedness_after.mean() > 0.99
 
@@ -146,7 +146,7 @@ def test_movement_plans_are_valid_within_tolerance_and_move_no_more_than_renamin
     from moewatch.planner.movement import align_to_current
 
     renamed = align_to_current(scratch.physical_to_logical_map, in_force, W, N)
-    assert (ours.experts_moved <= metrics.experts_moved(in_force, renamed)).all()
+    assert (ours.experts_moved <= placement_math.experts_moved(in_force, renamed)).all()
 
 
 @settings(max_examples=20, deadline=None)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moewatch.planner import metrics, solve_placement
+from moewatch.planner import placement_math as metrics, solve_placement
 from moewatch.planner.replicate import capped_replica_counts
-from moewatch.planner.metrics import PlacementShapeError
+from moewatch.planner.placement_math import PlacementShapeError
 
 E, P = 8, 12
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from moewatch.runtime.capacity import apply_capacity, expert_capacity, group_ordinal
+from moewatch.capacity import expert_capacity
+from moewatch.runtime.capacity import apply_capacity, group_ordinal
 
 
 def test_capacity_formula():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moewatch.runtime import checks
-from moewatch.runtime.capacity import expert_capacity
+from moewatch.capacity import expert_capacity
 from moewatch.runtime.config import RuntimeConfig
 from moewatch.runtime.launcher import run_group
 from moewatch.telemetry import Window

@@ -18,7 +18,7 @@ CHECK = textwrap.dedent("""
     import torch
     from moewatch.runtime.kernels import grouped_swiglu_torch, grouped_swiglu_triton, tile_table
     from moewatch.runtime.config import RuntimeConfig
-    from moewatch.runtime.engine import EPEngine
+    from moewatch.runtime.ep_rank import EPEngine
     from moewatch.runtime.workload import Workload
     from moewatch.runtime.model import input_batch
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moewatch.agent.config import AgentConfig
+from moewatch.agent.config import AgentConfig, build_config
 from moewatch.agent.daemon import Daemon
 
 PMAP = np.array([[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 2, 3]])

@@ -13,25 +13,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import checks
+from ..errors import InputError
 
-class PlacementShapeError(ValueError):
+
+class PlacementShapeError(InputError):
     """Sizes that do not fit together; `field` names the offending input."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
 
 
 def check_sizes(num_experts: int, num_slots: int, num_gpus: int, num_nodes: int = 1) -> None:
-    """Raise PlacementShapeError unless E <= P, W divides P and N divides W."""
-    if num_gpus < 1:
-        raise PlacementShapeError("num_gpus", f"must be >= 1, got {num_gpus}")
-    if num_nodes < 1 or num_gpus % num_nodes:
-        raise PlacementShapeError("num_nodes", f"{num_nodes} nodes do not divide {num_gpus} GPUs")
-    if num_slots < num_experts:
-        raise PlacementShapeError("num_slots", f"{num_slots} slots cannot hold {num_experts} experts")
-    if num_slots % num_gpus:
-        raise PlacementShapeError("num_slots", f"{num_slots} slots do not divide over {num_gpus} GPUs")
+    """Raise PlacementShapeError unless W >= 1, N divides W, E <= P and W divides P."""
+    checks.check_at_least_one([("num_gpus", num_gpus)], PlacementShapeError)
+    checks.check_num_nodes(num_gpus, num_nodes, PlacementShapeError)
+    checks.check_slots_hold_experts(num_slots, num_experts, PlacementShapeError)
+    checks.check_slots_divide(num_slots, num_gpus, PlacementShapeError, ranks="GPUs")
 
 
 def replica_counts_of(pmap: np.ndarray, num_experts: int) -> np.ndarray:
@@ -62,7 +57,7 @@ def balancedness_of_gpu_load(per_gpu: np.ndarray) -> np.ndarray:
     return out
 
 
-def balancedness(load: np.ndarray, pmap: np.ndarray, num_gpus: int) -> np.ndarray:
+def placement_balancedness(load: np.ndarray, pmap: np.ndarray, num_gpus: int) -> np.ndarray:
     """[L, E] load, [L, P] placement -> [L] balancedness."""
     return balancedness_of_gpu_load(gpu_load(load, pmap, num_gpus))
 
@@ -174,13 +169,3 @@ def contiguous_placement(num_layers: int, num_experts: int, num_slots: int) -> n
     """[L, P] the runtimes' default: slot s holds expert s mod E (experts in order, extra slots
     holding the first experts again)."""
     return np.broadcast_to(np.arange(num_slots) % num_experts, (num_layers, num_slots)).copy()
-
-
-def is_valid_placement(pmap: np.ndarray, num_experts: int, num_gpus: int) -> bool:
-    """True when every entry is an expert, every expert has a slot and W divides P."""
-    pmap = np.asarray(pmap)
-    if pmap.ndim != 2 or pmap.shape[1] % num_gpus:
-        return False
-    if pmap.min() < 0 or pmap.max() >= num_experts:
-        return False
-    return bool((replica_counts_of(pmap, num_experts) > 0).all())

@@ -65,7 +65,7 @@ class EPEngine:
         pmap = cfg.initial_placement()
         self.layers = [self.build_layer(layer, pmap[layer]) for layer in range(cfg.layers)]
         self.pairs = PairCounts()
-        # When a list: every layer's (layer, LayerRouting, CapacityResult, slot_counts) is appended
+        # When a list: every layer's (layer, LayerRouting, CapacityAssignment, slot_counts) is appended
         # (self-checks compare the probe with counts derived from these).
         self.routing_log: list | None = None
         self._dropped = torch.zeros((), dtype=torch.long, device=self.device)
