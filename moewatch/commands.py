@@ -170,7 +170,7 @@ def diagnose(source: str, as_json: bool, fail_on: str | None, config_path: str |
 @click.option("--seed", type=int, default=None, help="Random seed (default: the documented EXAMPLE_SEED).")
 def examples(folder: str, seed: int | None) -> None:
     """Write one simulated window per verdict into FOLDER (default examples/)."""
-    from .examples import EXAMPLE_SEED, write_examples
+    from moewatch.tools.examples import EXAMPLE_SEED, write_examples
 
     for path in write_examples(folder, EXAMPLE_SEED if seed is None else seed):
         click.echo(str(path))

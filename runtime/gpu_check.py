@@ -119,7 +119,7 @@ def nccl_checks(world_size: int, backend: str = "nccl") -> dict:
 
 
 def probe_overhead(world_size: int, quick: bool) -> dict:
-    from .bench import measure
+    from moewatch.tools.bench.probe import measure
     from .config import RuntimeConfig
 
     cfg = RuntimeConfig(ranks=world_size, layers=8, experts=32, slots=32, top_k=2, hidden=2048, ffn=1408,

@@ -36,8 +36,10 @@ import contextlib
 import click
 import numpy as np
 
-from .config import build_config
-from .store import GroupStore, TriagedWindow
+from moewatch.agent.config import build_config
+from moewatch.commands import fail_input
+from moewatch.thresholds import ConfigError
+from moewatch.agent.store import GroupStore, TriagedWindow
 
 # The demo's EP group: each rank on its own core(s), so the busiest rank sets the step; two hot
 # experts carrying 70 % of the pairs start on rank 0, and spare slots (12 for 8 experts) leave the
@@ -119,7 +121,7 @@ def _colour(text: str, verdict: str, enabled: bool) -> str:
     return click.style(text, fg={"healthy": "green", "comm-bound": "yellow", "imbalance-bound": "red"}[verdict])
 
 
-class _Recorder:
+class Recorder:
     """Collects what the summary needs from the agent's window and audit callbacks."""
 
     def __init__(self, live: bool, started: float, err: bool = False, prefix: str = ""):
@@ -205,11 +207,11 @@ def _mean_balancedness(windows: list[TriagedWindow]) -> float | None:
     return float(np.mean([[d.metrics["balancedness"] for d in t.diagnosis.layers] for t in windows]))
 
 
-def _steps(windows: list[TriagedWindow]) -> np.ndarray:
+def step_times(windows: list[TriagedWindow]) -> np.ndarray:
     return np.concatenate([t.window.step_seconds for t in windows]) if windows else np.array([])
 
 
-def _pct(values: np.ndarray, q: float) -> float | None:
+def percentile(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
@@ -230,11 +232,11 @@ class Session:
 
 
 def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str, Any], seconds: float, ranks: int,
-                listen: str = "127.0.0.1:0", recorder: _Recorder | None = None,
+                listen: str = "127.0.0.1:0", recorder: Recorder | None = None,
                 announce: Callable[[str], None] | None = None) -> Session:
     """Start an agent (in this process) on a socket in `work`, run `moewatch runtime` against it for
     `seconds`, wait for the agent to triage the last windows, stop the agent."""
-    from .daemon import Daemon
+    from moewatch.agent.daemon import Daemon
 
     work.mkdir(parents=True, exist_ok=True)
     socket_path = str(work / "agent.sock")
@@ -242,7 +244,7 @@ def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str
         raise DemoError(f"--keep: {work} is too long a path for a unix socket inside it")
     cfg = build_config(flags={**agent_flags, "socket": socket_path, "listen": listen,
                               "audit_log": str(work / "audit.jsonl")}, environ={})
-    recorder = recorder or _Recorder(False, time.monotonic())
+    recorder = recorder or Recorder(False, time.monotonic())
     daemon = Daemon(cfg)
     daemon.window_listeners.append(recorder.on_window)
     daemon.start()
@@ -317,15 +319,15 @@ def step_figures(windows: list[TriagedWindow], events: list[dict[str, Any]], war
     steady = {id(t) for t in steady_windows(windows, events)}
     before = [t for t in windows if t.window.epoch == start_epoch and id(t) in steady]
     after = [t for t in windows if t.window.epoch > start_epoch and id(t) in steady]
-    steps_before, steps_after = _steps(before), _steps(after)
+    steps_before, steps_after = step_times(before), step_times(after)
     if before and before[0] is windows[0]:
         steps_before = steps_before[warmup_steps:]
     stalls = [float(e.get("stall_seconds") or 0.0) for e in events if e["event"] in ("plan_applied", "rolled_back")]
     return {
         "windows_before": len(before), "windows_after": len(after),
         "balancedness_before": _mean_balancedness(before), "balancedness_after": _mean_balancedness(after),
-        "step_p50_before_s": _pct(steps_before, 50), "step_p50_after_s": _pct(steps_after, 50),
-        "step_p99_before_s": _pct(steps_before, 99), "step_p99_after_s": _pct(steps_after, 99),
+        "step_p50_before_s": percentile(steps_before, 50), "step_p50_after_s": percentile(steps_after, 50),
+        "step_p99_before_s": percentile(steps_before, 99), "step_p99_after_s": percentile(steps_after, 99),
         "migration_stall_s": {"total": float(sum(stalls)), "per_plan": stalls},
     }
 
@@ -350,7 +352,7 @@ def run_demo(seconds: float = 45.0, ranks: int | None = None, folder: str | None
     build_config(flags={**agent_settings(flags), "socket": str(work / "agent.sock"), "listen": listen}, environ={})  # bad --listen
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
-    recorder = _Recorder(live, started)
+    recorder = Recorder(live, started)
 
     def announce(metrics_url: str) -> None:
         if not live:
@@ -449,3 +451,29 @@ def _print_summary(s: dict[str, Any]) -> None:
                f"RSS {s['agent_rss_bytes'] / 2**20:.0f} MiB (peak {s['agent_peak_rss_bytes'] / 2**20:.0f} MiB)")
     click.echo(f"  audit log           {s['audit_log']}")
     click.echo(f"  metrics             {s['metrics_url']} (served while the demo ran)")
+
+
+@click.command()
+@click.option("--seconds", type=click.FloatRange(5, 3600), default=45.0, show_default=True,
+              help="How long the runtime serves (startup and the summary add about 15 s).")
+@click.option("--json", "as_json", is_flag=True, help="Print only the summary object as JSON.")
+@click.option("--ranks", type=click.IntRange(1, 8), default=None,
+              help="EP ranks (default: one per GPU with NCCL, else one per core, 2 to 4, with gloo).")
+@click.option("--keep", type=click.Path(file_okay=False), default=None,
+              help="Folder for the socket, audit log and windows (default: a temporary folder).")
+@click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT for the agent's /metrics.")
+def demo(seconds: float, as_json: bool, ranks: int, keep: str | None, listen: str) -> None:
+    """Run the reference runtime (a workload whose hot experts drift) and the agent in act mode,
+    wired through a socket in a temporary folder; show live verdicts and actions, then a summary."""
+    try:
+        summary = run_demo(seconds=seconds, ranks=ranks, folder=keep, listen=listen, live=not as_json)
+    except ConfigError as exc:
+        fail_input(str(exc))
+    except DemoError as exc:
+        click.echo(f"moewatch: demo failed: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("moewatch: demo interrupted", err=True)
+        sys.exit(130)
+    if as_json:
+        click.echo(json.dumps(summary, indent=1, allow_nan=False))

@@ -13,7 +13,7 @@ from moewatch.agent.config import build_config
 from moewatch.agent.exporters import GroupExportMemory, MetricsState
 from moewatch.agent.exporters import record_window
 from moewatch.agent.store import TriagedWindow
-from moewatch.examples import without_evidence
+from moewatch.tools.examples import without_evidence
 from moewatch.telemetry import EVIDENCE, OPTIONAL_ARRAYS
 from moewatch.triage import diagnose
 

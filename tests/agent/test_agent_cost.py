@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 from moewatch.agent.exporters import (GroupExportMemory, MetricsState, init_group, init_static, make_registry,
                                       record_window, render)
 from moewatch.agent.store import GroupStore, TriagedWindow
-from moewatch.examples import SCENARIOS, partial_example, simulate
+from moewatch.tools.examples import SCENARIOS, partial_example, simulate
 from moewatch.triage import diagnose
 
 

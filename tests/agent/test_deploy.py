@@ -118,7 +118,7 @@ def test_sidecar_image_installs_without_torch():
 
 
 def test_the_agent_never_imports_torch():
-    code = ("import sys, moewatch.agent.daemon, moewatch.agent.cli, moewatch.agent.demo, moewatch.agent.top, "
+    code = ("import sys, moewatch.agent.daemon, moewatch.agent.cli, moewatch.tools.demo, moewatch.agent.top, "
             "moewatch.agent.otel, moewatch.agent.policy, moewatch.agent.actuators; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -10,7 +10,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from moewatch.agent.catalog import METRICS, exposed_names
 from moewatch.agent.exporters import HistogramValue, family_names, sample_names
 from moewatch.agent.otel import instrument_name
-from moewatch.examples import SCENARIOS, simulate
+from moewatch.tools.examples import SCENARIOS, simulate
 
 PROMTOOL = "/usr/bin/promtool"
 

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moewatch import telemetry as tm
-from moewatch.examples import SCENARIOS, simulate
+from moewatch.tools.examples import SCENARIOS, simulate
 from moewatch.thresholds import Thresholds
 from moewatch.triage import capacity_for_overflow, diagnose, overflow_at_capacity, pack_max_load
 

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from moewatch.examples import SCENARIOS, production_window, scenario, simulate, without_evidence
+from moewatch.tools.examples import SCENARIOS, production_window, scenario, simulate, without_evidence
 from moewatch.thresholds import Thresholds
 from moewatch.triage import (IMBALANCE_BOUND, capacities_for_overflow, diagnose, overflows_at_capacity,
                              pack_max_loads, replica_splits)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from moewatch.planner import affinity, metrics, packing, replicate, solve_placement
-from moewatch.planner.synthetic import affinity_trace
+from moewatch.tools.synthetic import affinity_trace
 
 
 def test_transitions_count_all_k_by_k_pairs_and_discount():

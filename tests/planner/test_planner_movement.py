@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moewatch.planner import metrics, movement, solve_placement
-from moewatch.planner.synthetic import drifted, popularity, sample_load
+from moewatch.tools.synthetic import drifted, popularity, sample_load
 
 
 def _problem(seed: int, layers: int = 6, experts: int = 64, gpus: int = 8, slots: int = 72):

@@ -8,7 +8,7 @@ import heapq
 import numpy as np
 from hypothesis import example, given, settings, strategies as st
 
-from moewatch.planner import eplb_reference as eplb
+from moewatch.tools import eplb_reference as eplb
 from moewatch.planner import metrics, packing, replicate, solve_placement
 
 

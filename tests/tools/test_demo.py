@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from moewatch.agent.audit import read_audit
-from moewatch.agent.demo import default_ranks
+from moewatch.tools.demo import default_ranks
 from moewatch.cli import main
 
 
@@ -21,7 +21,7 @@ def test_demo_json_summary(short_tmp, monkeypatch):
     # The demo's own shape makes each step take a few hundred ms of expert compute (so the gain shows);
     # this checks the wiring and the summary on a small one, in this process (the runtime is still a
     # subprocess), so the test does not wait for big matmuls.
-    from moewatch.agent import demo
+    from moewatch.tools import demo
 
     for key, value in {"hidden": 64, "ffn": 128, "batch-tokens": 128, "window-steps": 4}.items():
         monkeypatch.setitem(demo.DEMO_RUNTIME, key, value)

@@ -1,6 +1,6 @@
 """`moewatch bench`: benchmarks whose results are written down (docs/benchmarks/), never timed tests.
 
-Subcommands live beside what they measure and load lazily: the planner's needs only numpy, the
+Subcommands load lazily: the planner's needs only numpy, the
 probe's needs torch.
 """
 
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import click
 
-from .cli import LazyGroup
+from moewatch.cli import LazyGroup
 
 SUBCOMMANDS = {
-    "planner": ("moewatch.planner.bench:planner", "Placement quality and speed against DeepSeek's EPLB."),
-    "probe": ("moewatch.runtime.bench:probe", "The probe's overhead on the forward step (on over off)."),
-    "agent": ("moewatch.agent.bench:agent", "An agent process's CPU, memory, scrape time and lag at a window size and rate."),
-    "vllm": ("moewatch.runtime.engines.bench:vllm", "The vLLM plugin's cost: tokens/s active over inactive."),
-    "loop": ("moewatch.agent.loopbench:loop", "Closed loop: step time before and after the agent acts, with a control."),
+    "planner": ("moewatch.tools.bench.planner:planner", "Placement quality and speed against DeepSeek's EPLB."),
+    "probe": ("moewatch.tools.bench.probe:probe", "The probe's overhead on the forward step (on over off)."),
+    "agent": ("moewatch.tools.bench.agent:agent", "An agent process's CPU, memory, scrape time and lag at a window size and rate."),
+    "vllm": ("moewatch.tools.bench.vllm:vllm", "The vLLM plugin's cost: tokens/s active over inactive."),
+    "loop": ("moewatch.tools.bench.loop:loop", "Closed loop: step time before and after the agent acts, with a control."),
 }
 
 

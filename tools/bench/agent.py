@@ -1,7 +1,7 @@
 """`moewatch bench agent`: what one agent process costs at a given window size and rate.
 
 A real agent (`moewatch agent`, its own process) is fed by a real client over its unix socket: a
-hello, then production-size windows (moewatch.examples.production_window) at a fixed rate, while a
+hello, then production-size windows (moewatch.tools.examples.production_window) at a fixed rate, while a
 scraper reads /metrics the way Prometheus does. Measured on the agent process, from /proc: CPU
 seconds per window and the share of one core, resident memory; from the scraper: scrape time; from
 /metrics: how many windows the triage had not caught up with at the end. The in-process triage of
@@ -91,7 +91,7 @@ def run(layers: int = 58, experts: int = 256, slots: int = 320, ranks: int = 64,
         rate: float = 1.0, seconds: float = 60.0, scrape_interval: float = 1.0, warmup_windows: int = 5,
         mode: str = "observe", seed: int = 0) -> dict[str, Any]:
     """Start an agent, feed it for `seconds` after `warmup_windows`, and measure it."""
-    from moewatch.examples import production_window
+    from moewatch.tools.examples import production_window
 
     _progress(f"building windows: {layers} layers x {experts} experts, {slots} slots on {ranks} ranks, top-{top_k}")
     windows = [production_window(seed + i, num_layers=layers, num_experts=experts, num_slots=slots,

@@ -23,9 +23,9 @@ from typing import Any
 import click
 import numpy as np
 
-from .demo import (DEMO_RUNTIME, DEMO_RUNTIME_GPU, DemoError, agent_settings, _pct, _Recorder, _steps, run_session,
-                   scheduler_warnings_muted, step_figures)
-from .store import TriagedWindow
+from moewatch.agent.store import TriagedWindow
+from moewatch.tools.demo import (DEMO_RUNTIME, DEMO_RUNTIME_GPU, DemoError, Recorder, agent_settings, percentile,
+                                 run_session, scheduler_warnings_muted, step_figures, step_times)
 
 FIXED_MAX_MEAN = 1.15  # a window whose every layer is at or under this max/mean rank load is fixed
 
@@ -47,12 +47,12 @@ def _control_figures(windows: list[TriagedWindow], split: int, warmup_steps: int
     """The observe-mode session's step figures: over all its steps (warm-up left out), and split at
     the act session's first after-window index, for a like-for-like look."""
     body = windows[1:]
-    steps = _steps(windows)[warmup_steps:]
-    head, tail = _steps(windows[:split])[warmup_steps:], _steps(windows[split:])
+    steps = step_times(windows)[warmup_steps:]
+    head, tail = step_times(windows[:split])[warmup_steps:], step_times(windows[split:])
     return {
         "windows": len(windows),
-        "step_p50_s": _pct(steps, 50), "step_p99_s": _pct(steps, 99),
-        "step_p50_first_part_s": _pct(head, 50), "step_p50_second_part_s": _pct(tail, 50),
+        "step_p50_s": percentile(steps, 50), "step_p99_s": percentile(steps, 99),
+        "step_p50_first_part_s": percentile(head, 50), "step_p50_second_part_s": percentile(tail, 50),
         "balancedness": float(np.mean([[d.metrics["balancedness"] for d in t.diagnosis.layers] for t in body]))
         if body else None,
         "plans": 0,
@@ -62,9 +62,9 @@ def _control_figures(windows: list[TriagedWindow], split: int, warmup_steps: int
 def run_once(seconds: float, control_seconds: float, ranks: int, runtime_flags: dict[str, Any],
              folder: Path, progress: bool, label: str = "") -> dict[str, Any]:
     started = time.monotonic()
-    act_rec = _Recorder(progress, started, err=True, prefix=f"{label}act ")
+    act_rec = Recorder(progress, started, err=True, prefix=f"{label}act ")
     act = run_session(folder / "act", runtime_flags, agent_settings(runtime_flags), seconds, ranks, recorder=act_rec)
-    ctl_rec = _Recorder(progress, started, err=True, prefix=f"{label}control ")
+    ctl_rec = Recorder(progress, started, err=True, prefix=f"{label}control ")
     control = run_session(folder / "control", runtime_flags, agent_settings(runtime_flags, mode="observe"),
                           control_seconds, ranks, recorder=ctl_rec)
     figures = step_figures(act.windows, act.events, int(runtime_flags["warmup-steps"]))

@@ -17,12 +17,12 @@ from typing import Any, Callable
 import click
 import numpy as np
 
-from . import eplb_reference as eplb
-from .affinity import load_from_trace, transitions_from_trace
-from .metrics import balancedness, contiguous_placement, dispatch_cross_shares, transition_cross_shares
-from .movement import align_to_current
-from .solve import solve_placement
-from .synthetic import LOAD_KINDS, affinity_trace, drifted, popularity, sample_load
+from moewatch.tools import eplb_reference as eplb
+from moewatch.planner.affinity import load_from_trace, transitions_from_trace
+from moewatch.planner.metrics import balancedness, contiguous_placement, dispatch_cross_shares, transition_cross_shares
+from moewatch.planner.movement import align_to_current
+from moewatch.planner.solve import solve_placement
+from moewatch.tools.synthetic import LOAD_KINDS, affinity_trace, drifted, popularity, sample_load
 
 LAYERS, EXPERTS, SLOTS, GPUS, NODES = 58, 256, 288, 32, 4
 EPLB_GROUPS = 8  # DeepSeek-V3's expert groups: the hierarchical policy packs groups onto nodes
@@ -243,7 +243,7 @@ def render_markdown(r: dict[str, Any], command: str) -> str:
         f"Setup: {r['setup']['layers']} layers x {r['setup']['experts']} experts, {r['setup']['slots']} slots, "
         f"{r['setup']['gpus']} GPUs, in 1 node and in {NODES} nodes; {r['setup']['pairs_per_layer']} pairs per "
         "layer drawn from the popularity of each load kind (lognormal(0, 1); Zipf, s = 1; `hot`: lognormal(0, 0.5) "
-        "with 4 experts per layer at 8-20x the mean). EPLB is `moewatch/planner/eplb_reference.py`, DeepSeek's "
+        "with 4 experts per layer at 8-20x the mean). EPLB is `tools/eplb_reference.py`, DeepSeek's "
         f"published greedy written here in numpy, run in the same process on the same loads; its hierarchical "
         f"policy uses {EPLB_GROUPS} expert groups (DeepSeek-V3). Balancedness is mean over max of per-GPU load, "
         "averaged over layers (worst layer in brackets). Cross-node share: pairs that leave their node when "

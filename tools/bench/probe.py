@@ -22,8 +22,8 @@ import click
 import numpy as np
 import torch
 
-from .cli import execution_options
-from .config import ConfigError, RuntimeConfig, validate
+from moewatch.runtime.cli import execution_options
+from moewatch.runtime.config import ConfigError, RuntimeConfig, validate
 
 
 class _SelfTimedProbe:
@@ -55,10 +55,10 @@ class _SelfTimedProbe:
 
 def _bench_rank(rank: int, world_size: int, cfg: RuntimeConfig, windows_measured: int, block: int, window: int,
                 warmup: int) -> dict:
-    from .engine import EPEngine
-    from .launcher import build_probe
-    from .model import input_batch
-    from .workload import Workload
+    from moewatch.runtime.engine import EPEngine
+    from moewatch.runtime.launcher import build_probe
+    from moewatch.runtime.model import input_batch
+    from moewatch.runtime.workload import Workload
 
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg.backend == "nccl" else torch.device("cpu")
     windows = []
@@ -106,7 +106,7 @@ def _bench_rank(rank: int, world_size: int, cfg: RuntimeConfig, windows_measured
 
 
 def measure(cfg: RuntimeConfig, windows: int, block: int, window: int, warmup: int) -> dict:
-    from .launcher import run_group
+    from moewatch.runtime.launcher import run_group
 
     per_rank = run_group(cfg.ranks, _bench_rank, (cfg, windows, block, window, warmup), backend=cfg.backend,
                          threads_per_rank=cfg.threads_per_rank, timeout_s=cfg.collective_timeout_s)

@@ -53,7 +53,7 @@ def recorder_seconds_per_step(layers: int = 4, experts: int = 16, top_k: int = 2
     weights, one counter add per layer, the eager layer timers, and each window's flush (to a list)."""
     import torch
 
-    from .common import EngineRecorder, EngineSettings, PairWeights
+    from moewatch.runtime.engines.common import EngineRecorder, EngineSettings, PairWeights
 
     windows: list = []
     rec = EngineRecorder(EngineSettings(window_steps=window_steps), runtime="vllm", model="bench", top_k=top_k,
@@ -104,7 +104,7 @@ def _worker(model: str, prompts_path: str, max_tokens: int, compiled: bool) -> N
 
 
 def _start(python: str, args: list[str], env: dict) -> subprocess.Popen:
-    proc = subprocess.Popen([python, "-m", "moewatch.runtime.engines.bench", *args], env=env, text=True,
+    proc = subprocess.Popen([python, "-m", "moewatch.tools.bench.vllm", *args], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     for line in proc.stdout:
         if line.strip() == "ready":
@@ -145,7 +145,7 @@ def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_l
         if model is None:
             click.echo("building a tiny random Qwen3-MoE ...", err=True)
             model = str(Path(tmp) / "model")
-            subprocess.run([python, "-c", f"from moewatch.runtime.engines.bench import save_tiny_model as s; s({model!r})"],
+            subprocess.run([python, "-c", f"from moewatch.tools.bench.vllm import save_tiny_model as s; s({model!r})"],
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         rng = random.Random(0)
         prompts = [[rng.randrange(1024) for _ in range(prompt_len)] for _ in range(num_prompts)]

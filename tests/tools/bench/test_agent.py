@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from moewatch.agent.bench import CONTRACT_KEYS
+from moewatch.tools.bench.agent import CONTRACT_KEYS
 
 
 @pytest.mark.slow
