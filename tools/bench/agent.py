@@ -229,7 +229,7 @@ def _ready(url: str) -> bool:
 @click.option("--mode", type=click.Choice(["observe", "recommend"]), default="observe", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print only the result object as JSON.")
 def agent(layers: int, experts: int, slots: int, ranks: int, top_k: int, rate: float, seconds: float,
-          scrape_interval: float, mode: str, as_json: bool) -> None:
+          scrape_interval: float, mode: str, as_json: bool) -> dict[str, Any]:
     """CPU, memory, scrape time and lag of a real agent fed production-size windows over its socket."""
     if slots < experts or slots % ranks or top_k > experts:
         from moewatch.commands import fail_input
@@ -239,7 +239,8 @@ def agent(layers: int, experts: int, slots: int, ranks: int, top_k: int, rate: f
     result = run(layers, experts, slots, ranks, top_k, rate, seconds, scrape_interval, mode=mode)
     if as_json:
         click.echo(json.dumps(result, indent=1))
-        return
+        return result
     for key in CONTRACT_KEYS + ("triage_cpu_ms", "rss_peak_mb", "scrape_ms_p90", "lag_max_windows", "windows_sent",
                                 "windows_processed", "series", "load_average_before"):
         click.echo(f"{key:>22}  {result[key]}")
+    return result

@@ -134,7 +134,7 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
               help="Folder for the sockets, audit logs and runtime logs (default: a temporary folder).")
 @click.option("--json", "as_json", is_flag=True, help="Print only the result as JSON.")
 def loop(seconds, control_seconds, ranks, backend, batch_tokens, hidden, ffn, window_steps, repeat, keep,
-         as_json) -> None:
+         as_json) -> dict[str, Any]:
     """Closed loop: step time before and after the agent acts, against an observe-mode control."""
     import logging
     import os
@@ -165,13 +165,14 @@ def loop(seconds, control_seconds, ranks, backend, batch_tokens, hidden, ffn, wi
     result = runs[0] if repeat == 1 else summarise_runs(runs)
     if as_json:
         click.echo(json.dumps(result, allow_nan=False))
-        return
+        return result
     for r in runs:
         _print_run(r)
     if repeat > 1:
         click.echo(f"{repeat} runs: {result['false_rollbacks']} false rollbacks "
                    f"({result['runs_with_false_rollback']} runs), pairs lost {result['pairs_lost']}, "
                    f"median p50 ratio {result['step_p50_ratio_median']}")
+    return result
 
 
 def _ms(value: float | None) -> str:

@@ -156,7 +156,7 @@ def measure(cfg: RuntimeConfig, windows: int, block: int, window: int, warmup: i
               help="Steps run in a row before switching the probe on or off (divides --window-steps).")
 @click.option("--warmup-steps", "warmup_steps", type=int, default=20, show_default=True)
 @execution_options
-def probe(windows, window_steps, block_steps, warmup_steps, as_json, **options) -> None:
+def probe(windows, window_steps, block_steps, warmup_steps, as_json, **options) -> dict:
     """Probe overhead: step time with the probe on over step time with it off, alternating in one run."""
     cfg = RuntimeConfig(**options)
     try:
@@ -179,7 +179,8 @@ def probe(windows, window_steps, block_steps, warmup_steps, as_json, **options) 
     result = measure(cfg, windows, block_steps, window_steps, warmup_steps)
     if as_json:
         click.echo(json.dumps(result))
-        return
+        return result
     click.echo(f"probe overhead ratio {result['overhead_ratio']:.4f} (median of {windows} windows; ratio of means "
                f"{result['overhead_ratio_of_means']:.4f}); step mean {result['step_mean_s_probe_on'] * 1e3:.2f} ms "
                f"on vs {result['step_mean_s_probe_off'] * 1e3:.2f} ms off over {result['steps_measured']} steps")
+    return result

@@ -135,7 +135,7 @@ def _round(proc: subprocess.Popen) -> dict:
 @click.option("--compiled/--eager", default=False, show_default=True, help="torch.compile the model, or run eagerly.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result object only.")
 def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_len: int, max_tokens: int,
-         pause: float, compiled: bool, as_json: bool) -> None:
+         pause: float, compiled: bool, as_json: bool) -> dict:
     """Tokens/s of vLLM with the moewatch plugin active and inactive, interleaved; prints overhead_ratio."""
     if not Path(python).is_file():
         raise click.UsageError(f"--python: {python} does not exist (build it with `make vllm-env`)")
@@ -189,9 +189,10 @@ def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_l
            "per_round_tokens_per_second": {k: [round(v, 1) for v in vs] for k, vs in tps.items()}}
     if as_json:
         click.echo(json.dumps(out))
-        return
+        return out
     click.echo(f"vLLM {out['mode']}: {inactive:.0f} tok/s inactive, {active:.0f} tok/s active, "
                f"overhead_ratio {out['overhead_ratio']:.4f} ({rounds} interleaved rounds, {written} windows written)")
+    return out
 
 
 if __name__ == "__main__":

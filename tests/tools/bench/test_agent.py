@@ -13,10 +13,11 @@ from moewatch.tools.bench.agent import CONTRACT_KEYS
 
 
 @pytest.mark.slow
-def test_bench_agent_prints_the_contract_keys():
+def test_bench_agent_prints_the_contract_keys(tmp_path):
     out = subprocess.run([sys.executable, "-m", "moewatch.cli", "bench", "agent", "--layers", "3", "--experts", "8",
                           "--slots", "8", "--ranks", "2", "--top-k", "2", "--rate", "5", "--seconds", "1",
-                          "--scrape-interval", "0.2", "--json"], capture_output=True, text=True, timeout=120)
+                          "--scrape-interval", "0.2", "--json", "--results-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)  # --json: machine output only, progress on stderr
     assert set(CONTRACT_KEYS) <= set(result)
@@ -26,6 +27,12 @@ def test_bench_agent_prints_the_contract_keys():
     assert result["scrape_ms_p50"] > 0 and result["triage_ms"] > 0 and result["scrapes"] >= 1
     assert result["config"] == {"layers": 3, "experts": 8, "slots": 8, "ranks": 2, "top_k": 2, "rate": 5.0,
                                 "seconds": 1.0, "mode": "observe"}
+    # The run is recorded with its provenance, the command line as typed.
+    record = json.loads(next(tmp_path.glob("agent-*.json")).read_text())
+    assert record["result"] == result
+    typed = ("bench agent --layers 3 --experts 8 --slots 8 --ranks 2 --top-k 2 --rate 5 --seconds 1 "
+             f"--scrape-interval 0.2 --json --results-dir {tmp_path}")
+    assert record["provenance"]["command"].endswith(typed)
 
 
 def test_bench_agent_rejects_impossible_sizes_with_exit_2():

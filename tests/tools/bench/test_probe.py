@@ -23,11 +23,14 @@ def test_bad_input_exits_2_with_one_line_naming_the_flag(monkeypatch):
 
 
 @pytest.mark.slow
-def test_bench_probe_json_contract():
+def test_bench_probe_json_contract(tmp_path):
     result = _run(["bench", "probe", "--json", "--ranks", "2", "--layers", "1", "--experts", "4", "--hidden", "16",
                    "--ffn", "16", "--batch-tokens", "16", "--windows", "2", "--window-steps", "2",
-                   "--block-steps", "1", "--warmup-steps", "0"])
+                   "--block-steps", "1", "--warmup-steps", "0",
+                   "--results-dir", str(tmp_path)])
     assert result.exit_code == 0
     out = json.loads(result.stdout)  # progress goes to stderr; stdout is JSON only
     assert out["overhead_ratio"] > 0 and out["overhead_ratio_of_means"] > 0
     assert out["steps_measured"] == 8 and out["windows_built"] >= 2 and out["windows_invalid"] == 0
+    record = json.loads(next(tmp_path.glob("probe-*.json")).read_text())
+    assert record["bench"] == "probe" and record["result"] == out
