@@ -116,7 +116,11 @@ class Daemon:
             raise _named("audit_log", cfg.audit_log, exc) from None
         init_static(self.metrics, cfg.mode)
         if cfg.otlp_endpoint or self._otel_readers:
-            from .otel import OtelBridge
+            try:
+                from .otel import OtelBridge
+            except ImportError as exc:  # OpenTelemetry is the `otel` extra, not a dependency of the sidecar
+                raise StartupError(f"otlp_endpoint: {cfg.otlp_endpoint}: needs OpenTelemetry ({exc.name} is not "
+                                   "installed): pip install 'moewatch[otel]'") from None
 
             self.otel = OtelBridge(self.metrics, cfg.otlp_endpoint, cfg.otlp_interval_seconds, self._otel_readers)
         actuator = make_actuator(cfg, self.connection_of)

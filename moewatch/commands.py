@@ -22,6 +22,16 @@ def fail_input(message: str) -> None:
     sys.exit(2)
 
 
+def require_extra(module: str, extra: str, needed_by: str) -> None:
+    """Exit 2 with one line naming the extra to install when `module` (an optional dependency) is absent."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        fail_input(f"{needed_by} needs {module}, which this install lacks: pip install 'moewatch[{extra}]'")
+
+
 def load_window(source: str) -> Window:
     """A Window from a JSON or binary window file; exits 2 with one line on any problem."""
     path = Path(source)
