@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "agent" / "deploy"
 UNIT = DEPLOY / "moewatch-agent.service"
 INSTALLED_BINARY = "/opt/moewatch/bin/moewatch"
-SYSTEMD_ANALYZE = "/usr/bin/systemd-analyze"
+SYSTEMD_ANALYZE = "systemd-analyze"  # found on PATH (make system-deps installs it)
 KUBERNETES_VALIDATE = str(Path(sys.executable).parent / "kubernetes-validate")
 
 

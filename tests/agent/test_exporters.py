@@ -12,7 +12,7 @@ from moewatch.agent.exporters import HistogramValue, family_names, sample_names
 from moewatch.agent.otel import instrument_name
 from moewatch.tools.examples import SCENARIOS, simulate
 
-PROMTOOL = "/usr/bin/promtool"
+PROMTOOL = "promtool"  # found on PATH (make system-deps installs it)
 
 
 def drive(daemon, helpers, n_windows=3):
