@@ -189,6 +189,8 @@ def render_pages(root: Path, results: Path, check: bool = False) -> list[str]:
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 when a page would change.")
 def render(results_dir: str | None, check: bool) -> None:
     """Render docs/benchmarks/*.md's tables and the README's figures from the recorded results."""
+    if not (REPO_ROOT / ".git").exists():
+        raise click.ClickException(f"{REPO_ROOT} is not a checkout of the repository: render runs inside one")
     results = Path(results_dir) if results_dir else REPO_ROOT / RESULTS_SUBDIR
     changed = render_pages(REPO_ROOT, results, check=check)
     for page in changed:
