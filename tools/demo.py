@@ -39,6 +39,7 @@ import numpy as np
 from moewatch.agent.config import build_config
 from moewatch.commands import fail_input
 from moewatch.thresholds import ConfigError
+from moewatch.tools.bench.record import recorded
 from moewatch.agent.store import GroupStore, TriagedWindow
 
 # The demo's EP group: each rank on its own core(s), so the busiest rank sets the step; two hot
@@ -418,39 +419,47 @@ def _fmt(value: float | None, unit: str = "", scale: float = 1.0, digits: int = 
     return "n/a" if value is None else f"{value * scale:.{digits}f}{unit}"
 
 
-def _print_summary(s: dict[str, Any]) -> None:
-    click.echo("")
-    click.echo("summary")
-    click.echo(f"  windows seen        {s['windows_seen']} ({s['windows_before']} steady before the first plan, "
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    """The summary as the demo prints it, line by line (the README renders a recorded one)."""
+    lines = ["summary"]
+    lines.append(f"  windows seen        {s['windows_seen']} ({s['windows_before']} steady before the first plan, "
                f"{s['windows_after']} steady after); frames rejected {s['frames_rejected']}"
                + (f" ({', '.join(f'{k} {v}' for k, v in s['frames_rejected_by_reason'].items())})"
                   if s["frames_rejected"] else ""))
-    click.echo("  verdicts            " + ", ".join(f"{k} {v}" for k, v in s["verdicts"].items()))
-    click.echo(f"  actions             {s['actions_applied']} applied in {s['plans_applied']} plans "
+    lines.append("  verdicts            " + ", ".join(f"{k} {v}" for k, v in s["verdicts"].items()))
+    lines.append(f"  actions             {s['actions_applied']} applied in {s['plans_applied']} plans "
                f"({s['plans_verified']} verified, {s['rollbacks']} rolled back), {s['actions_skipped']} skipped")
-    click.echo(f"  balancedness        {_fmt(s['balancedness_before'])} before -> {_fmt(s['balancedness_after'])} after")
-    click.echo(f"  step p50            {_fmt(s['step_p50_before_s'], ' ms', 1e3, 1)} before -> "
+    lines.append(f"  balancedness        {_fmt(s['balancedness_before'])} before -> {_fmt(s['balancedness_after'])} after")
+    lines.append(f"  step p50            {_fmt(s['step_p50_before_s'], ' ms', 1e3, 1)} before -> "
                f"{_fmt(s['step_p50_after_s'], ' ms', 1e3, 1)} after (steady state: no migration in the window)")
-    click.echo(f"  step p99            {_fmt(s['step_p99_before_s'], ' ms', 1e3, 1)} before -> "
+    lines.append(f"  step p99            {_fmt(s['step_p99_before_s'], ' ms', 1e3, 1)} before -> "
                f"{_fmt(s['step_p99_after_s'], ' ms', 1e3, 1)} after")
     stall = s["migration_stall_s"]
-    click.echo(f"  migration stall     {stall['total'] * 1e3:.0f} ms in all ("
+    lines.append(f"  migration stall     {stall['total'] * 1e3:.0f} ms in all ("
                + (", ".join(f"{x * 1e3:.0f}" for x in stall["per_plan"]) or "no plan") + " ms per plan), apart from the above")
     old = s["old_map_same_traffic"]
     if old is not None:
-        click.echo(f"  control             old map on the same traffic (agent's model, changed layers): balancedness "
+        lines.append(f"  control             old map on the same traffic (agent's model, changed layers): balancedness "
                    f"{old['balancedness_old_map_same_load']:.3f} vs {old['balancedness_after']:.3f} measured, "
                    f"layer time {old['layer_seconds_old_map_same_load'] * 1e3:.1f} vs "
                    f"{old['layer_seconds_after'] * 1e3:.1f} ms/step")
     b = s.get("cpu_binding") or {}
     if b.get("warning"):
-        click.echo(f"  note                {b['warning']}")
-    click.echo(f"  pairs lost          {s['pairs_lost']} of {s['pairs_routed']} routed (dropped by capacity: "
+        lines.append(f"  note                {b['warning']}")
+    lines.append(f"  pairs lost          {s['pairs_lost']} of {s['pairs_routed']} routed (dropped by capacity: "
                f"{s['pairs_dropped']})")
-    click.echo(f"  agent               {_fmt(s['agent_cpu_share'], '%', 100, 1)} of one core while ingesting, "
+    lines.append(f"  agent               {_fmt(s['agent_cpu_share'], '%', 100, 1)} of one core while ingesting, "
                f"RSS {s['agent_rss_bytes'] / 2**20:.0f} MiB (peak {s['agent_peak_rss_bytes'] / 2**20:.0f} MiB)")
-    click.echo(f"  audit log           {s['audit_log']}")
-    click.echo(f"  metrics             {s['metrics_url']} (served while the demo ran)")
+    lines.append(f"  audit log           {s['audit_log']}")
+    lines.append(f"  metrics             {s['metrics_url']} (served while the demo ran)")
+    return lines
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    click.echo("")
+    for line in summary_lines(s):
+        click.echo(line)
+
 
 
 @click.command()
@@ -462,7 +471,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 @click.option("--keep", type=click.Path(file_okay=False), default=None,
               help="Folder for the socket, audit log and windows (default: a temporary folder).")
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT for the agent's /metrics.")
-def demo(seconds: float, as_json: bool, ranks: int, keep: str | None, listen: str) -> None:
+def demo(seconds: float, as_json: bool, ranks: int, keep: str | None, listen: str) -> dict[str, Any]:
     """Run the reference runtime (a workload whose hot experts drift) and the agent in act mode,
     wired through a socket in a temporary folder; show live verdicts and actions, then a summary."""
     try:
@@ -477,3 +486,9 @@ def demo(seconds: float, as_json: bool, ranks: int, keep: str | None, listen: st
         sys.exit(130)
     if as_json:
         click.echo(json.dumps(summary, indent=1, allow_nan=False))
+    return summary
+
+
+# `--record` writes the summary with its provenance into docs/benchmarks/results/ (the README's summary
+# is rendered from such a file); a plain `moewatch demo` writes nothing there.
+demo = recorded("demo", demo, opt_in=True)

@@ -18,6 +18,7 @@ import os
 import platform
 import shlex
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,22 +149,25 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 
-def recorded(bench: str, command: click.Command) -> click.Command:
-    """`command` with --results-dir and --no-record; its callback's returned result is written with the
-    run's provenance. A run that exits early (bad input, a failure) returns nothing and writes nothing."""
+def recorded(bench: str, command: click.Command, opt_in: bool = False) -> click.Command:
+    """`command` with --results-dir and --no-record (`opt_in`: --record instead); its callback's returned
+    result is written with the run's provenance. A run that exits early (bad input, a failure) returns
+    nothing and writes nothing."""
     if getattr(command, "_moewatch_recorded", False):
         return command
     callback = command.callback
 
     @functools.wraps(callback)
-    def run(*args, results_dir: str | None, no_record: bool, **kwargs):
+    def run(*args, results_dir: str | None, no_record: bool = False, record: bool = True, **kwargs):
         ctx = click.get_current_context()
         group_path = ctx.parent.command_path if ctx.parent is not None else ctx.command_path
-        line = shlex.join([*group_path.split(), *ctx.meta.get("moewatch.bench.args", [ctx.info_name])])
+        # Under `moewatch bench` the group kept the arguments after it; elsewhere they are the process's own.
+        typed = ctx.meta.get("moewatch.bench.args")
+        line = shlex.join([*group_path.split(), *(sys.argv[1:] if typed is None else typed)])
         before = sample()
         result = callback(*args, **kwargs)
         after = sample()
-        if result is None or no_record:
+        if result is None or no_record or not record:
             return result
         folder = Path(results_dir) if results_dir else default_results_dir()
         if folder is None:
@@ -177,7 +181,8 @@ def recorded(bench: str, command: click.Command) -> click.Command:
     command.params += [
         click.Option(["--results-dir"], type=click.Path(file_okay=False), default=None,
                      help="Folder for this run's result file [default: docs/benchmarks/results in the repository]."),
-        click.Option(["--no-record"], is_flag=True, help="Do not write a result file."),
+        click.Option(["--record"], is_flag=True, help="Write a result file with this run's provenance.") if opt_in
+        else click.Option(["--no-record"], is_flag=True, help="Do not write a result file."),
     ]
     command._moewatch_recorded = True
     return command

@@ -146,9 +146,24 @@ def render_readme_loop(records: list[dict[str, Any]]) -> str:
             f"{r['pairs_lost']} pairs lost.\n")
 
 
+def render_readme_demo(records: list[dict[str, Any]]) -> str:
+    mine = _of(records, "demo")
+    if not mine:
+        return "_No recorded demo yet: run `moewatch demo --record`, then `moewatch bench render`._\n"
+    from moewatch.tools.demo import summary_lines
+
+    record = mine[-1]
+    prov = record["provenance"]
+    # The temporary folder's paths say nothing to a reader.
+    lines = [line for line in summary_lines(record["result"]) if not line.startswith(("  audit log", "  metrics"))]
+    return (f"`{prov['command']}` at `{prov['commit'][:12]}`, `{prov['started_utc']}`, {prov['cores']} cores, "
+            f"machine during the run: {machine_state(prov)} (`{record['file']}`):\n\n```\n" + "\n".join(lines)
+            + "\n```\n")
+
+
 SLOTS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
     "agent": render_agent, "probe": render_probe, "vllm": render_vllm, "loop": render_loop,
-    "planner": render_planner, "readme-loop": render_readme_loop,
+    "planner": render_planner, "readme-loop": render_readme_loop, "readme-demo": render_readme_demo,
 }
 
 
@@ -201,7 +216,7 @@ def render(results_dir: str | None, check: bool) -> None:
 
 NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:e[-+]?\d+)?")
 CODE_SPAN = re.compile(r"`[^`\n]*`")
-SCALES = (1.0, 100.0, 1000.0, 1e6)  # as recorded; as a percentage; in milli- or microunits
+SCALES = (1.0, 100.0, 1000.0, 1e6, 2.0 ** -20)  # as recorded; a percentage; milli-, microunits; bytes in MiB
 
 
 def _numbers(text: str) -> list[str]:
