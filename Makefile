@@ -82,20 +82,8 @@ system-deps:
 
 # The sidecar-only install: `pip install .` (no extras, no torch) into a throwaway venv, then
 # `moewatch diagnose` and a short `moewatch agent` answering /healthz. Reuses pip's cache.
-SIDECAR_VENV ?= $(or $(TMPDIR),/tmp)/moewatch-sidecar-check
 sidecar-check:
-	rm -rf $(SIDECAR_VENV) && $(PYTHON) -m venv $(SIDECAR_VENV)
-	$(SIDECAR_VENV)/bin/pip install --quiet .
-	! $(SIDECAR_VENV)/bin/python -c "import torch" 2>/dev/null
-	! $(SIDECAR_VENV)/bin/python -c "import matplotlib" 2>/dev/null
-	! $(SIDECAR_VENV)/bin/python -c "import opentelemetry" 2>/dev/null
-	cd $(SIDECAR_VENV) && bin/moewatch diagnose $(CURDIR)/examples/imbalance-hot-experts.json --json \
-	  | bin/python -c "import json, sys; print('diagnose:', sorted({l['verdict'] for l in json.load(sys.stdin)['layers']}))"
-	cd $(SIDECAR_VENV) && { bin/moewatch agent --socket agent.sock --listen 127.0.0.1:19477 --audit-log audit.jsonl \
-	  --log-level warning & pid=$$!; ok=1; for i in $$(seq 100); do \
-	  bin/python -c "import urllib.request as u; print('agent /healthz:', u.urlopen('http://127.0.0.1:19477/healthz').status)" \
-	  2>/dev/null && { ok=0; break; }; sleep 0.2; done; kill $$pid; wait $$pid; exit $$ok; }
-	rm -rf $(SIDECAR_VENV)
+	PYTHON=$(PYTHON) bash scripts/sidecar_check.sh
 
 demo: install
 	$(VENV)/bin/moewatch demo
