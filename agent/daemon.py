@@ -124,7 +124,11 @@ class Daemon:
             raise _named("log.audit_log", cfg.log.audit_log, exc) from None
         init_static(self.metrics, cfg.policy.mode)
         if cfg.exporters.otlp_endpoint or self._otel_readers:
-            from .otel import OtelBridge
+            try:
+                from .otel import OtelBridge
+            except ImportError as exc:  # OpenTelemetry is the `otel` extra, not a dependency of the sidecar
+                raise StartupError(f"exporters.otlp_endpoint: {cfg.exporters.otlp_endpoint}: needs OpenTelemetry "
+                                   f"({exc.name} is not installed): pip install 'moewatch[otel]'") from None
 
             self.otel = OtelBridge(self.metrics, cfg.exporters.otlp_endpoint, cfg.exporters.otlp_interval_seconds,
                                    self._otel_readers)

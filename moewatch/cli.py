@@ -2,7 +2,8 @@
 
 Each verb lives beside the code it drives and is registered here by "module:attribute":
 the core's verbs in moewatch/commands.py, the planner's in moewatch/planner/cli.py, the agent's in
-agent/cli.py, the runtime's in runtime/cli.py.
+agent/cli.py, the runtime's in runtime/cli.py; the demo and the benchmarks in tools/ (moewatch.tools), which
+the sidecar itself never imports.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "whatif": ("moewatch.planner.cli:whatif", "Sweep the cost model over experts, ranks and batch size."),
     "runtime": ("moewatch.runtime.cli:runtime", "Launch the reference EP runtime on this machine."),
     "agent": ("moewatch.agent.cli:agent", "Run the sidecar agent (the daemon)."),
-    "demo": ("moewatch.agent.cli:demo", "Run the reference runtime and the agent together, wired through a socket."),
+    "demo": ("moewatch.tools.demo:demo", "Run the reference runtime and the agent together, wired through a socket."),
     "top": ("moewatch.agent.cli:top", "Live per-layer view of a running agent."),
     "report": ("moewatch.report:report", "Draw a window as one picture (PNG): time split, rank and expert load, traffic."),
-    "bench": ("moewatch.bench:bench", "Benchmarks: planner against EPLB, probe overhead."),
+    "bench": ("moewatch.tools.bench:bench", "Benchmarks: planner, probe, agent, vLLM, closed loop."),
 }
 
 

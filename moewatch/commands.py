@@ -17,6 +17,16 @@ from .vocabulary import TERMINAL_COLOURS
 # Verdict order for --fail-on and the table's colour.
 
 
+def require_extra(module: str, extra: str, needed_by: str) -> None:
+    """Exit 2 with one line naming the extra to install when `module` (an optional dependency) is absent."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        fail_input(f"{needed_by} needs {module}, which this install lacks: pip install 'moewatch[{extra}]'")
+
+
 def load_window(source: str) -> Window:
     """A Window from a JSON or binary window file; exits 2 with one line on any problem."""
     path = Path(source)
@@ -165,7 +175,7 @@ def diagnose(source: str, as_json: bool, fail_on: str | None, config_path: str |
 @click.option("--seed", type=int, default=None, help="Random seed (default: the documented EXAMPLE_SEED).")
 def examples(folder: str, seed: int | None) -> None:
     """Write one simulated window per verdict into FOLDER (default examples/)."""
-    from .examples import EXAMPLE_SEED, write_examples
+    from moewatch.tools.examples import EXAMPLE_SEED, write_examples
 
     for path in write_examples(folder, EXAMPLE_SEED if seed is None else seed):
         click.echo(str(path))

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import telemetry as tm
 from .cli_contract import OneLineCommand, fail_input
-from .commands import load_window
+from .commands import load_window, require_extra
 from .telemetry import Window
 from .thresholds import ConfigError, thresholds_from_cli, thresholds_options
 from .triage import WindowDiagnosis, diagnose
@@ -126,6 +126,7 @@ def _not_measured(ax, what: str) -> None:
 @thresholds_options
 def report(source: str, out_path: str, config_path: str | None, **threshold_flags) -> None:
     """Draw SOURCE (a window file) as one picture: time split, rank and expert load, traffic."""
+    require_extra("matplotlib", "report", "`moewatch report`")
     try:
         thresholds = thresholds_from_cli(config_path, **threshold_flags)
     except ConfigError as exc:

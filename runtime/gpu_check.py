@@ -119,7 +119,7 @@ def nccl_checks(world_size: int, backend: str = "nccl") -> dict:
 
 
 def probe_overhead(world_size: int, quick: bool) -> dict:
-    from .bench import measure
+    from moewatch.tools.bench.probe import measure
     from .config import RuntimeConfig
 
     cfg = RuntimeConfig(ranks=world_size, layers=8, experts=32, slots=32, top_k=2, hidden=2048, ffn=1408,
@@ -162,7 +162,8 @@ def closed_loop(world_size: int, backend: str = "nccl", quick: bool = False, sha
         return {"ran": False, "ok": None, "why": f"{world_size} GPU: expert parallelism needs two ranks or more"}
     seconds = seconds if seconds is not None else (20.0 if quick else 40.0)
     control_seconds = control_seconds if control_seconds is not None else (10.0 if quick else 20.0)
-    cmd = [sys.executable, "-m", "moewatch.cli", "bench", "loop", "--json", "--backend", backend,
+    # Its figures go into this check's report, not into the repository's benchmark results.
+    cmd = [sys.executable, "-m", "moewatch.cli", "bench", "loop", "--json", "--no-record", "--backend", backend,
            "--ranks", str(world_size), "--seconds", f"{seconds:g}", "--control-seconds", f"{control_seconds:g}"]
     for key, value in (shape or {}).items():
         cmd += [f"--{key}", str(value)]

@@ -1,7 +1,9 @@
 """Suite-wide settings."""
 
 import os
+import pathlib
 
+import pytest
 from hypothesis import settings
 
 # CI draws the same examples every run, so a submission's result never depends on which random
@@ -10,3 +12,16 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "results"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def benchmark_results_untouched():
+    """Tests run bench verbs with --results-dir or --no-record: the published result files are written by
+    real runs only, never by the suite."""
+    before = sorted(RESULTS.glob("*.json"))
+    yield
+    written = sorted(set(RESULTS.glob("*.json")) - set(before))
+    assert not written, f"a test wrote benchmark results into the repository: {[p.name for p in written]}"

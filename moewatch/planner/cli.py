@@ -182,6 +182,10 @@ def whatif(experts: list[int], ranks: list[int] | None, experts_per_rank: int, t
         model, report = fit_cost_model([_read_window(p) for p in fit_paths], model)
     if plot_path and not Path(plot_path).parent.is_dir():
         fail_input(f"--plot: folder {str(Path(plot_path).parent)!r} does not exist")
+    if plot_path:
+        from ..commands import require_extra
+
+        require_extra("matplotlib", "report", "`moewatch whatif --plot`")
     rows = sweep(model, experts, ranks, tokens, top_k, hidden_bytes, ranks_per_node, experts_per_rank)
     if not rows:
         fail_input("nothing to sweep: every expert count is below --top-k or no listed rank count divides it")

@@ -14,7 +14,7 @@ from moewatch.agent.metrics.state import MetricsState
 from moewatch.agent.metrics.windows import GroupExportMemory, record_window
 from moewatch.agent.params import from_config
 from moewatch.agent.store import TriagedWindow
-from moewatch.examples import without_evidence
+from moewatch.tools.examples import without_evidence
 from moewatch.telemetry import EVIDENCE, OPTIONAL_ARRAYS
 from moewatch.triage import diagnose
 
@@ -107,7 +107,7 @@ def test_live_agent_marks_missing_evidence_on_metrics(start_agent, helpers):
     assert helpers.sample_value(text, "moewatch_layer_expert_load_cv_ratio", layer="1") > 0.3
     assert "moewatch_rank_load_pairs{" not in text and "moewatch_layer_balancedness_ratio{" not in text
     assert "moewatch_layer_a2a_step_seconds_count{" not in text
-    lint = subprocess.run(["/usr/bin/promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
     status = daemon.status()["groups"][0]
     assert status["layers"][0]["balancedness"] is None and status["layers"][0]["verdict"] == "imbalance-bound"

@@ -13,7 +13,7 @@ from moewatch.agent.metrics.identity import init_static
 from moewatch.agent.metrics.state import MetricsState
 from moewatch.agent.metrics.windows import LAYER_RANK_LOAD_MAX_MIN, GroupExportMemory, record_window
 from moewatch.agent.store import GroupStore, TriagedWindow
-from moewatch.examples import SCENARIOS, partial_example, simulate
+from moewatch.tools.examples import SCENARIOS, partial_example, simulate
 from moewatch.triage import diagnose
 
 

@@ -81,7 +81,7 @@ def test_every_verb_takes_the_one_line_path():
 
     import click
 
-    from moewatch.bench import SUBCOMMANDS
+    from moewatch.tools.bench import SUBCOMMANDS
     from moewatch.cli import VERBS
     from moewatch.cli_contract import OneLineCommand
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "agent" / "deploy"
 UNIT = DEPLOY / "moewatch-agent.service"
 INSTALLED_BINARY = "/opt/moewatch/bin/moewatch"
-SYSTEMD_ANALYZE = "/usr/bin/systemd-analyze"
+SYSTEMD_ANALYZE = "systemd-analyze"  # found on PATH (make system-deps installs it)
 KUBERNETES_VALIDATE = str(Path(sys.executable).parent / "kubernetes-validate")
 
 
@@ -119,7 +119,7 @@ def test_sidecar_image_installs_without_torch():
 
 
 def test_the_agent_never_imports_torch():
-    code = ("import sys, moewatch.agent.daemon, moewatch.agent.cli, moewatch.agent.demo, moewatch.agent.top, "
+    code = ("import sys, moewatch.agent.daemon, moewatch.agent.cli, moewatch.tools.demo, moewatch.agent.top, "
             "moewatch.agent.otel, moewatch.agent.policy, moewatch.integrations.registry; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -11,9 +11,9 @@ from moewatch.agent.catalog import METRICS, exposed_names
 from moewatch.agent.exporters import family_names, sample_names
 from moewatch.agent.metrics.state import HistogramValue
 from moewatch.agent.otel import instrument_name
-from moewatch.examples import SCENARIOS, simulate
+from moewatch.tools.examples import SCENARIOS, simulate
 
-PROMTOOL = "/usr/bin/promtool"
+PROMTOOL = "promtool"  # found on PATH (make system-deps installs it)
 
 
 def drive(daemon, helpers, n_windows=3):

@@ -59,7 +59,7 @@ def test_agent_with_the_reference_runtime(start_agent, short_tmp, helpers):
                 helpers.sample_value(text, name, model="moewatch-ref") is not None, name
         assert helpers.sample_value(text, "moewatch_layer_verdict", layer="0", verdict="imbalance-bound",
                                     cause="hot-experts") == 1
-        lint = subprocess.run(["/usr/bin/promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert lint.returncode == 0 and not (lint.stdout + lint.stderr).strip(), lint.stdout + lint.stderr
         assert not [r for r in read_audit(observe.cfg.log.audit_log) if r["event"] == "plan_sent"]
         assert all(t.window.epoch == 0 for t in group.recent())

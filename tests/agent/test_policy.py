@@ -121,7 +121,7 @@ def test_max_replicas_per_expert_is_respected(helpers):
 
 
 def test_capacity_raise_is_bounded(helpers):
-    from moewatch.examples import scenario, simulate
+    from moewatch.tools.examples import scenario, simulate
 
     s = scenario("overflow", world_size=4, num_experts=8, num_layers=2)
     windows = [TriagedWindow(w, diagnose(w), 0.0) for w in
@@ -139,7 +139,7 @@ def test_capacity_raise_is_bounded(helpers):
 
 def test_capacity_raise_is_the_per_step_solve_over_the_evidence_windows():
     from moewatch.capacity import capacity_for_windows
-    from moewatch.examples import scenario, simulate
+    from moewatch.tools.examples import scenario, simulate
 
     s = scenario("overflow", world_size=4, num_experts=8, num_layers=2)
     windows = [TriagedWindow(w, diagnose(w), 0.0) for w in
@@ -229,7 +229,7 @@ def test_a_vllm_source_gets_recommendations_never_a_plan(helpers):
 
 
 def test_rank_totals_alone_give_no_plan_and_say_why(helpers):
-    from moewatch.examples import without_evidence
+    from moewatch.tools.examples import without_evidence
     from moewatch.telemetry import OPTIONAL_ARRAYS
 
     strip = (OPTIONAL_ARRAYS - {"rank_tokens"}) | {"expert_tokens"}

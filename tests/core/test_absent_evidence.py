@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from moewatch import telemetry as tm
 from moewatch.cli import main
-from moewatch.examples import PARTIAL_EXAMPLES, SCENARIOS, partial_example, simulate, without_evidence
+from moewatch.tools.examples import PARTIAL_EXAMPLES, SCENARIOS, partial_example, simulate, without_evidence
 from moewatch.schema import packaged_schema
 from moewatch.telemetry import EVIDENCE, OPTIONAL_ARRAYS, Window, WindowError
 from moewatch.triage import diagnose
@@ -178,7 +178,7 @@ def run(*args: str):
 
 
 def test_committed_partial_example_is_what_the_generator_writes(tmp_path):
-    from moewatch.examples import write_examples
+    from moewatch.tools.examples import write_examples
 
     write_examples(tmp_path)
     for name in PARTIAL_EXAMPLES:

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from moewatch.cli import main
-from moewatch.examples import SCENARIOS, write_examples
+from moewatch.tools.examples import SCENARIOS, write_examples
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from moewatch import telemetry as tm
 from moewatch.cli import main
-from moewatch.examples import PARTIAL_EXAMPLES, SCENARIOS, partial_example, simulate, without_evidence
+from moewatch.tools.examples import PARTIAL_EXAMPLES, SCENARIOS, partial_example, simulate, without_evidence
 from moewatch.schema import packaged_schema
 from moewatch.telemetry import Window, WindowError
 from moewatch.triage import diagnose

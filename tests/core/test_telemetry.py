@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moewatch import telemetry as tm
-from moewatch.examples import SCENARIOS, scenario, simulate
+from moewatch.tools.examples import SCENARIOS, scenario, simulate
 from moewatch.schema import packaged_schema, window_schema
 from moewatch.telemetry import Window, WindowError
 

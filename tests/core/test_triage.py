@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moewatch import telemetry as tm
-from moewatch.examples import SCENARIOS, simulate
+from moewatch.tools.examples import SCENARIOS, simulate
 from moewatch.thresholds import Thresholds
 from moewatch.capacity import mean_load_capacities, mean_load_overflow_rates
 from moewatch.triage import diagnose, pack_max_loads

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from moewatch import telemetry as tm
-from moewatch.agent.bench import full_evidence_window
-from moewatch.examples import production_window, without_evidence
+from moewatch.tools.bench.agent import full_evidence_window
+from moewatch.tools.examples import production_window, without_evidence
 from moewatch.triage import Thresholds, layer_metrics
 
 

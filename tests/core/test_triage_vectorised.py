@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from moewatch.capacity import mean_load_capacities, mean_load_overflow_rates
-from moewatch.examples import SCENARIOS, production_window, scenario, simulate, without_evidence
+from moewatch.tools.examples import SCENARIOS, production_window, scenario, simulate, without_evidence
 from moewatch.thresholds import Thresholds
 from moewatch.triage import IMBALANCE_BOUND, diagnose, pack_max_loads, replica_splits
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moewatch import wire
-from moewatch.examples import scenario, simulate
+from moewatch.tools.examples import scenario, simulate
 from moewatch.plan import Plan, PlanError
 from moewatch.telemetry import Window
 from moewatch.wire import Ack, FrameDecoder, FrameError, FrameType, Heartbeat, Hello

@@ -6,7 +6,7 @@ import numpy as np
 
 from moewatch.checks import is_valid_placement
 from moewatch.planner import affinity, packing, placement_math, replicate, solve_placement
-from moewatch.planner.synthetic import affinity_trace
+from moewatch.tools.synthetic import affinity_trace
 
 
 def test_transitions_count_all_k_by_k_pairs_and_discount():

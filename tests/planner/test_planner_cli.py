@@ -1,4 +1,4 @@
-"""`moewatch plan`, `moewatch whatif` and `moewatch bench planner` from the command line: outputs,
+"""`moewatch plan` and `moewatch whatif` from the command line: outputs,
 and every bad input exits 2 with one line on stderr."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from moewatch.cli import main
 from moewatch.plan import Plan
-from moewatch.planner.synthetic import affinity_trace, synthetic_load
+from moewatch.tools.synthetic import affinity_trace, synthetic_load
 
 
 @pytest.fixture
@@ -137,11 +137,6 @@ def test_whatif_fits_windows(work, window_from_traffic):
     result = run("whatif", "--fit", work / "w.json", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["fit"]["samples_a2a"] == 3
-
-
-def test_bench_planner_is_registered():
-    result = run("bench", "planner", "--help")
-    assert result.exit_code == 0 and "--write" in result.stdout
 
 
 def test_sglang_dump_without_torch_exits_2(work, monkeypatch):

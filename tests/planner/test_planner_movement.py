@@ -7,7 +7,7 @@ import pytest
 
 from moewatch.checks import is_valid_placement
 from moewatch.planner import movement, placement_math, solve_placement
-from moewatch.planner.synthetic import drifted, popularity, sample_load
+from moewatch.tools.synthetic import drifted, popularity, sample_load
 
 
 def _problem(seed: int, layers: int = 6, experts: int = 64, gpus: int = 8, slots: int = 72):

@@ -8,8 +8,8 @@ import heapq
 import numpy as np
 from hypothesis import example, given, settings, strategies as st
 
-from moewatch.planner import eplb_reference as eplb
 from moewatch.planner import packing, placement_math, replicate, solve_placement
+from moewatch.tools import eplb_reference as eplb
 
 
 @st.composite

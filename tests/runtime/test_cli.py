@@ -1,4 +1,4 @@
-"""`moewatch runtime` and `moewatch bench probe`: the contract flags, --json, bad input."""
+"""`moewatch runtime`: the contract flags, --json, bad input."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ def _run(args):
     (["runtime", "--steps", "0"], "--steps"),
     (["runtime", "--kernel", "triton"], "--kernel"),
     (["runtime", "--backend", "gloo", "--dtype", "bfloat16"], "--dtype"),
-    (["bench", "probe", "--block-steps", "7", "--window-steps", "50"], "--block-steps"),
     (["runtime", "--socket", "/tmp/" + "s" * 120], "--socket"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_flag(args, field, monkeypatch):
@@ -68,14 +67,3 @@ def test_runtime_json_reports_latency_throughput_and_accounting(tmp_path):
     parsed = [Window.from_json(line) for line in lines]
     assert sum(int(w.dropped_tokens.sum()) for w in parsed) == out["pairs_dropped"]
     assert all(w.runtime == "moewatch-runtime" and np.all(w.capacity_factor == 1.0) for w in parsed)
-
-
-@pytest.mark.slow
-def test_bench_probe_json_contract():
-    result = _run(["bench", "probe", "--json", "--ranks", "2", "--layers", "1", "--experts", "4", "--hidden", "16",
-                   "--ffn", "16", "--batch-tokens", "16", "--windows", "2", "--window-steps", "2",
-                   "--block-steps", "1", "--warmup-steps", "0"])
-    assert result.exit_code == 0
-    out = json.loads(result.stdout)  # progress goes to stderr; stdout is JSON only
-    assert out["overhead_ratio"] > 0 and out["overhead_ratio_of_means"] > 0
-    assert out["steps_measured"] == 8 and out["windows_built"] >= 2 and out["windows_invalid"] == 0

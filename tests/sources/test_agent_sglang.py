@@ -128,7 +128,7 @@ def test_agent_makes_windows_from_the_metrics_heatmap(sglang_heatmap, agent_dir)
         layer0 = {dict(k)["evidence"]: v for k, v in missing.items() if dict(k)["layer"] == "0"}
         assert layer0["expert_load"] == 1 and layer0["rank_load"] == 0 and layer0["a2a_time"] == 1
         assert samples(text, "moewatch_layer_routed_pairs_total") == {}  # not measured, not zero
-        lint = subprocess.run(["/usr/bin/promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert lint.returncode == 0, lint.stdout + lint.stderr
         restart()  # SGLang restarted: its counters start from zero, and count whole
         record(np.array([[7, 3], [4, 6]]))

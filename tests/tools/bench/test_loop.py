@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 
-from moewatch.agent.demo import migration_spans, step_figures, steady_windows
-from moewatch.agent.loopbench import summarise_runs, windows_to_fix
+from moewatch.tools.demo import migration_spans, step_figures, steady_windows
+from moewatch.tools.bench.loop import summarise_runs, windows_to_fix
 from moewatch.agent.store import TriagedWindow
 from moewatch.triage import diagnose
 

@@ -22,9 +22,8 @@ import numpy as np
 import torch
 
 from moewatch.cli_contract import OneLineCommand, fail_input
-
-from .cli import execution_options
-from .config import ConfigError, RuntimeConfig, validate
+from moewatch.runtime.cli import execution_options
+from moewatch.runtime.config import ConfigError, RuntimeConfig, validate
 
 
 class _SelfTimedProbe:
@@ -56,10 +55,10 @@ class _SelfTimedProbe:
 
 def _bench_rank(rank: int, world_size: int, cfg: RuntimeConfig, windows_measured: int, block: int, window: int,
                 warmup: int) -> dict:
-    from .ep_rank import EPEngine
-    from .launcher import build_probe
-    from .model import input_batch
-    from .workload import Workload
+    from moewatch.runtime.ep_rank import EPEngine
+    from moewatch.runtime.launcher import build_probe
+    from moewatch.runtime.model import input_batch
+    from moewatch.runtime.workload import Workload
 
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg.backend == "nccl" else torch.device("cpu")
     windows = []
@@ -107,7 +106,7 @@ def _bench_rank(rank: int, world_size: int, cfg: RuntimeConfig, windows_measured
 
 
 def measure(cfg: RuntimeConfig, windows: int, block: int, window: int, warmup: int) -> dict:
-    from .launcher import run_group
+    from moewatch.runtime.launcher import run_group
 
     per_rank = run_group(cfg.ranks, _bench_rank, (cfg, windows, block, window, warmup), backend=cfg.backend,
                          threads_per_rank=cfg.threads_per_rank, timeout_s=cfg.collective_timeout_s)
@@ -157,7 +156,7 @@ def measure(cfg: RuntimeConfig, windows: int, block: int, window: int, warmup: i
               help="Steps run in a row before switching the probe on or off (divides --window-steps).")
 @click.option("--warmup-steps", "warmup_steps", type=int, default=20, show_default=True)
 @execution_options
-def probe(windows, window_steps, block_steps, warmup_steps, as_json, **options) -> None:
+def probe(windows, window_steps, block_steps, warmup_steps, as_json, **options) -> dict:
     """Probe overhead: step time with the probe on over step time with it off, alternating in one run."""
     cfg = RuntimeConfig(**options)
     try:
@@ -177,7 +176,8 @@ def probe(windows, window_steps, block_steps, warmup_steps, as_json, **options) 
     result = measure(cfg, windows, block_steps, window_steps, warmup_steps)
     if as_json:
         click.echo(json.dumps(result))
-        return
+        return result
     click.echo(f"probe overhead ratio {result['overhead_ratio']:.4f} (median of {windows} windows; ratio of means "
                f"{result['overhead_ratio_of_means']:.4f}); step mean {result['step_mean_s_probe_on'] * 1e3:.2f} ms "
                f"on vs {result['step_mean_s_probe_off'] * 1e3:.2f} ms off over {result['steps_measured']} steps")
+    return result

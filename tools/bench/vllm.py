@@ -55,7 +55,7 @@ def recorder_seconds_per_step(layers: int = 4, experts: int = 16, top_k: int = 2
     weights, one counter add per layer, the eager layer timers, and each window's flush (to a list)."""
     import torch
 
-    from .common import EngineRecorder, EngineSettings, PairWeights
+    from moewatch.runtime.engines.common import EngineRecorder, EngineSettings, PairWeights
 
     windows: list = []
     rec = EngineRecorder(EngineSettings(window_steps=window_steps), runtime="vllm", model="bench", top_k=top_k,
@@ -106,7 +106,7 @@ def _worker(model: str, prompts_path: str, max_tokens: int, compiled: bool) -> N
 
 
 def _start(python: str, args: list[str], env: dict) -> subprocess.Popen:
-    proc = subprocess.Popen([python, "-m", "moewatch.runtime.engines.bench", *args], env=env, text=True,
+    proc = subprocess.Popen([python, "-m", "moewatch.tools.bench.vllm", *args], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     for line in proc.stdout:
         if line.strip() == "ready":
@@ -137,7 +137,7 @@ def _round(proc: subprocess.Popen) -> dict:
 @click.option("--compiled/--eager", default=False, show_default=True, help="torch.compile the model, or run eagerly.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result object only.")
 def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_len: int, max_tokens: int,
-         pause: float, compiled: bool, as_json: bool) -> None:
+         pause: float, compiled: bool, as_json: bool) -> dict:
     """Tokens/s of vLLM with the moewatch plugin active and inactive, interleaved; prints overhead_ratio."""
     if not Path(python).is_file():
         raise click.UsageError(f"--python: {python} does not exist (build it with `make vllm-env`)")
@@ -147,7 +147,7 @@ def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_l
         if model is None:
             click.echo("building a tiny random Qwen3-MoE ...", err=True)
             model = str(Path(tmp) / "model")
-            subprocess.run([python, "-c", f"from moewatch.runtime.engines.bench import save_tiny_model as s; s({model!r})"],
+            subprocess.run([python, "-c", f"from moewatch.tools.bench.vllm import save_tiny_model as s; s({model!r})"],
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         rng = random.Random(0)
         prompts = [[rng.randrange(1024) for _ in range(prompt_len)] for _ in range(num_prompts)]
@@ -191,9 +191,10 @@ def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_l
            "per_round_tokens_per_second": {k: [round(v, 1) for v in vs] for k, vs in tps.items()}}
     if as_json:
         click.echo(json.dumps(out))
-        return
+        return out
     click.echo(f"vLLM {out['mode']}: {inactive:.0f} tok/s inactive, {active:.0f} tok/s active, "
                f"overhead_ratio {out['overhead_ratio']:.4f} ({rounds} interleaved rounds, {written} windows written)")
+    return out
 
 
 if __name__ == "__main__":

@@ -36,10 +36,12 @@ import contextlib
 import click
 import numpy as np
 
+from moewatch.agent.config import build_config
+from moewatch.agent.store import GroupStore, TriagedWindow
+from moewatch.cli_contract import OneLineCommand, fail_input
+from moewatch.thresholds import ConfigError
+from moewatch.tools.bench.record import recorded
 from moewatch.vocabulary import TERMINAL_COLOURS
-
-from .config import build_config
-from .store import GroupStore, TriagedWindow
 
 # The demo's EP group: each rank on its own core(s), so the busiest rank sets the step; two hot
 # experts carrying 70 % of the pairs start on rank 0, and spare slots (12 for 8 experts) leave the
@@ -122,7 +124,7 @@ def _colour(text: str, verdict: str, enabled: bool) -> str:
     return click.style(text, fg=TERMINAL_COLOURS[verdict])
 
 
-class _Recorder:
+class Recorder:
     """Collects what the summary needs from the agent's window and audit callbacks."""
 
     def __init__(self, live: bool, started: float, err: bool = False, prefix: str = ""):
@@ -208,11 +210,11 @@ def _mean_balancedness(windows: list[TriagedWindow]) -> float | None:
     return float(np.mean([[d.metrics["balancedness"] for d in t.diagnosis.layers] for t in windows]))
 
 
-def _steps(windows: list[TriagedWindow]) -> np.ndarray:
+def step_times(windows: list[TriagedWindow]) -> np.ndarray:
     return np.concatenate([t.window.step_seconds for t in windows]) if windows else np.array([])
 
 
-def _pct(values: np.ndarray, q: float) -> float | None:
+def percentile(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
@@ -233,11 +235,11 @@ class Session:
 
 
 def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str, Any], seconds: float, ranks: int,
-                listen: str = "127.0.0.1:0", recorder: _Recorder | None = None,
+                listen: str = "127.0.0.1:0", recorder: Recorder | None = None,
                 announce: Callable[[str], None] | None = None) -> Session:
     """Start an agent (in this process) on a socket in `work`, run `moewatch runtime` against it for
     `seconds`, wait for the agent to triage the last windows, stop the agent."""
-    from .daemon import Daemon
+    from moewatch.agent.daemon import Daemon
 
     work.mkdir(parents=True, exist_ok=True)
     socket_path = str(work / "agent.sock")
@@ -245,7 +247,7 @@ def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str
         raise DemoError(f"--keep: {work} is too long a path for a unix socket inside it")
     cfg = build_config(flags={**agent_flags, "server.socket": socket_path, "server.listen": listen,
                               "log.audit_log": str(work / "audit.jsonl")}, environ={})
-    recorder = recorder or _Recorder(False, time.monotonic())
+    recorder = recorder or Recorder(False, time.monotonic())
     daemon = Daemon(cfg)
     daemon.window_listeners.append(recorder.on_window)
     daemon.start()
@@ -320,15 +322,15 @@ def step_figures(windows: list[TriagedWindow], events: list[dict[str, Any]], war
     steady = {id(t) for t in steady_windows(windows, events)}
     before = [t for t in windows if t.window.epoch == start_epoch and id(t) in steady]
     after = [t for t in windows if t.window.epoch > start_epoch and id(t) in steady]
-    steps_before, steps_after = _steps(before), _steps(after)
+    steps_before, steps_after = step_times(before), step_times(after)
     if before and before[0] is windows[0]:
         steps_before = steps_before[warmup_steps:]
     stalls = [float(e.get("stall_seconds") or 0.0) for e in events if e["event"] in ("plan_applied", "rolled_back")]
     return {
         "windows_before": len(before), "windows_after": len(after),
         "balancedness_before": _mean_balancedness(before), "balancedness_after": _mean_balancedness(after),
-        "step_p50_before_s": _pct(steps_before, 50), "step_p50_after_s": _pct(steps_after, 50),
-        "step_p99_before_s": _pct(steps_before, 99), "step_p99_after_s": _pct(steps_after, 99),
+        "step_p50_before_s": percentile(steps_before, 50), "step_p50_after_s": percentile(steps_after, 50),
+        "step_p99_before_s": percentile(steps_before, 99), "step_p99_after_s": percentile(steps_after, 99),
         "migration_stall_s": {"total": float(sum(stalls)), "per_plan": stalls},
     }
 
@@ -354,7 +356,7 @@ def run_demo(seconds: float = 45.0, ranks: int | None = None, folder: str | None
                  environ={})  # bad --listen
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
-    recorder = _Recorder(live, started)
+    recorder = Recorder(live, started)
 
     def announce(metrics_url: str) -> None:
         if not live:
@@ -420,36 +422,76 @@ def _fmt(value: float | None, unit: str = "", scale: float = 1.0, digits: int = 
     return "n/a" if value is None else f"{value * scale:.{digits}f}{unit}"
 
 
-def _print_summary(s: dict[str, Any]) -> None:
-    click.echo("")
-    click.echo("summary")
-    click.echo(f"  windows seen        {s['windows_seen']} ({s['windows_before']} steady before the first plan, "
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    """The summary as the demo prints it, line by line (the README renders a recorded one)."""
+    lines = ["summary"]
+    lines.append(f"  windows seen        {s['windows_seen']} ({s['windows_before']} steady before the first plan, "
                f"{s['windows_after']} steady after); frames rejected {s['frames_rejected']}"
                + (f" ({', '.join(f'{k} {v}' for k, v in s['frames_rejected_by_reason'].items())})"
                   if s["frames_rejected"] else ""))
-    click.echo("  verdicts            " + ", ".join(f"{k} {v}" for k, v in s["verdicts"].items()))
-    click.echo(f"  actions             {s['actions_applied']} applied in {s['plans_applied']} plans "
+    lines.append("  verdicts            " + ", ".join(f"{k} {v}" for k, v in s["verdicts"].items()))
+    lines.append(f"  actions             {s['actions_applied']} applied in {s['plans_applied']} plans "
                f"({s['plans_verified']} verified, {s['rollbacks']} rolled back), {s['actions_skipped']} skipped")
-    click.echo(f"  balancedness        {_fmt(s['balancedness_before'])} before -> {_fmt(s['balancedness_after'])} after")
-    click.echo(f"  step p50            {_fmt(s['step_p50_before_s'], ' ms', 1e3, 1)} before -> "
+    lines.append(f"  balancedness        {_fmt(s['balancedness_before'])} before -> {_fmt(s['balancedness_after'])} after")
+    lines.append(f"  step p50            {_fmt(s['step_p50_before_s'], ' ms', 1e3, 1)} before -> "
                f"{_fmt(s['step_p50_after_s'], ' ms', 1e3, 1)} after (steady state: no migration in the window)")
-    click.echo(f"  step p99            {_fmt(s['step_p99_before_s'], ' ms', 1e3, 1)} before -> "
+    lines.append(f"  step p99            {_fmt(s['step_p99_before_s'], ' ms', 1e3, 1)} before -> "
                f"{_fmt(s['step_p99_after_s'], ' ms', 1e3, 1)} after")
     stall = s["migration_stall_s"]
-    click.echo(f"  migration stall     {stall['total'] * 1e3:.0f} ms in all ("
+    lines.append(f"  migration stall     {stall['total'] * 1e3:.0f} ms in all ("
                + (", ".join(f"{x * 1e3:.0f}" for x in stall["per_plan"]) or "no plan") + " ms per plan), apart from the above")
     old = s["old_map_same_traffic"]
     if old is not None:
-        click.echo(f"  control             old map on the same traffic (agent's model, changed layers): balancedness "
+        lines.append(f"  control             old map on the same traffic (agent's model, changed layers): balancedness "
                    f"{old['balancedness_old_map_same_load']:.3f} vs {old['balancedness_after']:.3f} measured, "
                    f"layer time {old['layer_seconds_old_map_same_load'] * 1e3:.1f} vs "
                    f"{old['layer_seconds_after'] * 1e3:.1f} ms/step")
     b = s.get("cpu_binding") or {}
     if b.get("warning"):
-        click.echo(f"  note                {b['warning']}")
-    click.echo(f"  pairs lost          {s['pairs_lost']} of {s['pairs_routed']} routed (dropped by capacity: "
+        lines.append(f"  note                {b['warning']}")
+    lines.append(f"  pairs lost          {s['pairs_lost']} of {s['pairs_routed']} routed (dropped by capacity: "
                f"{s['pairs_dropped']})")
-    click.echo(f"  agent               {_fmt(s['agent_cpu_share'], '%', 100, 1)} of one core while ingesting, "
+    lines.append(f"  agent               {_fmt(s['agent_cpu_share'], '%', 100, 1)} of one core while ingesting, "
                f"RSS {s['agent_rss_bytes'] / 2**20:.0f} MiB (peak {s['agent_peak_rss_bytes'] / 2**20:.0f} MiB)")
-    click.echo(f"  audit log           {s['audit_log']}")
-    click.echo(f"  metrics             {s['metrics_url']} (served while the demo ran)")
+    lines.append(f"  audit log           {s['audit_log']}")
+    lines.append(f"  metrics             {s['metrics_url']} (served while the demo ran)")
+    return lines
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    click.echo("")
+    for line in summary_lines(s):
+        click.echo(line)
+
+
+
+@click.command(cls=OneLineCommand)
+@click.option("--seconds", type=click.FloatRange(5, 3600), default=45.0, show_default=True,
+              help="How long the runtime serves (startup and the summary add about 15 s).")
+@click.option("--json", "as_json", is_flag=True, help="Print only the summary object as JSON.")
+@click.option("--ranks", type=click.IntRange(1, 8), default=None,
+              help="EP ranks (default: one per GPU with NCCL, else one per core, 2 to 4, with gloo).")
+@click.option("--keep", type=click.Path(file_okay=False), default=None,
+              help="Folder for the socket, audit log and windows (default: a temporary folder).")
+@click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT for the agent's /metrics.")
+def demo(seconds: float, as_json: bool, ranks: int, keep: str | None, listen: str) -> dict[str, Any]:
+    """Run the reference runtime (a workload whose hot experts drift) and the agent in act mode,
+    wired through a socket in a temporary folder; show live verdicts and actions, then a summary."""
+    try:
+        summary = run_demo(seconds=seconds, ranks=ranks, folder=keep, listen=listen, live=not as_json)
+    except ConfigError as exc:
+        fail_input(str(exc))
+    except DemoError as exc:
+        click.echo(f"moewatch: demo failed: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("moewatch: demo interrupted", err=True)
+        sys.exit(130)
+    if as_json:
+        click.echo(json.dumps(summary, indent=1, allow_nan=False))
+    return summary
+
+
+# `--record` writes the summary with its provenance into docs/benchmarks/results/ (the README's summary
+# is rendered from such a file); a plain `moewatch demo` writes nothing there.
+demo = recorded("demo", demo, opt_in=True)

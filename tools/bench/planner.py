@@ -17,13 +17,14 @@ from typing import Any, Callable
 import click
 import numpy as np
 
-from ..cli_contract import OneLineCommand
-from . import eplb_reference as eplb
-from .affinity import load_from_trace, transitions_from_trace
-from .placement_math import contiguous_placement, dispatch_cross_shares, placement_balancedness, transition_cross_shares
-from .movement import align_to_current
-from .solve import solve_placement
-from .synthetic import LOAD_KINDS, affinity_trace, drifted, popularity, sample_load
+from moewatch.cli_contract import OneLineCommand
+from moewatch.planner.affinity import load_from_trace, transitions_from_trace
+from moewatch.planner.movement import align_to_current
+from moewatch.planner.placement_math import (contiguous_placement, dispatch_cross_shares, placement_balancedness,
+                                             transition_cross_shares)
+from moewatch.planner.solve import solve_placement
+from moewatch.tools import eplb_reference as eplb
+from moewatch.tools.synthetic import LOAD_KINDS, affinity_trace, drifted, popularity, sample_load
 
 LAYERS, EXPERTS, SLOTS, GPUS, NODES = 58, 256, 288, 32, 4
 EPLB_GROUPS = 8  # DeepSeek-V3's expert groups: the hierarchical policy packs groups onto nodes
@@ -134,7 +135,7 @@ def bench_affinity(tokens: int, seed: int) -> list[dict[str, Any]]:
     for nodes in (1, NODES):
         balanced = solve_placement(load_fit, GPUS, SLOTS, nodes)
         ours = solve_placement(load_fit, GPUS, SLOTS, nodes, affinity=t_fit, balancedness_floor=AFFINITY_FLOOR)
-        row: dict[str, Any] = {"nodes": nodes, "tokens_fit": half, "tokens_held_out": tokens - half,
+        row: dict[str, Any] = {"nodes": nodes, "tokens": tokens, "tokens_fit": half, "tokens_held_out": tokens - half,
                                "solve_seconds": ours.solve_seconds}
         for name, pmap in (("contiguous", contiguous), ("balanced", balanced.physical_to_logical_map),
                            ("ours", ours.physical_to_logical_map), ("planted", planted)):
@@ -172,7 +173,7 @@ def bench_small_trace(seed: int, tokens: int = 577, discounts: tuple[float, ...]
                                affinity=transitions_from_trace(fit, EXPERTS, discount),
                                balancedness_floor=AFFINITY_FLOOR)
         pmap = ours.physical_to_logical_map
-        rows.append({"tokens_fit": half, "tokens_held_out": tokens - half, "discount": discount,
+        rows.append({"tokens": tokens, "tokens_fit": half, "tokens_held_out": tokens - half, "discount": discount,
                      "cut_fit": 1.0 - transition_cross_shares(t_fit, pmap, GPUS)[0] / base_fit,
                      "cut_held_out": 1.0 - transition_cross_shares(t_held, pmap, GPUS)[0] / base_held})
     return rows
@@ -199,7 +200,9 @@ def run(repeats: int = 9, tokens: int = 16384, seed: int = 0,
     started = time.perf_counter()
     out: dict[str, Any] = {
         "setup": {"layers": LAYERS, "experts": EXPERTS, "slots": SLOTS, "gpus": GPUS, "nodes": [1, NODES],
-                  "eplb_groups": EPLB_GROUPS, "pairs_per_layer": PAIRS_PER_LAYER, "seed": seed},
+                  "eplb_groups": EPLB_GROUPS, "pairs_per_layer": PAIRS_PER_LAYER, "seed": seed,
+                  # Which EPLB ran: this project's port, at the commit the result file records.
+                  "eplb_implementation": "moewatch's numpy port of DeepSeek's EPLB (tools/eplb_reference.py)"},
         "machine": _machine(),
     }
     sections = (("balance", "balance and solve time against EPLB", lambda: bench_balance(repeats, seed)),
@@ -226,25 +229,26 @@ def _mark(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
 
-def render_markdown(r: dict[str, Any], command: str) -> str:
+def render_markdown(r: dict[str, Any], command: str, heading: bool = True) -> str:
+    """The results page of one run (`heading`: with its title, for --write)."""
     m = r["machine"]
     lines = [
         "# Planner benchmark: moewatch against DeepSeek's EPLB",
         "",
+    ] if heading else []
+    lines += [
         f"Written by `{command}` on {m['date']}; every figure below comes from that run "
         f"({r['seconds']:.0f} s in all).",
         "",
         f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, numpy {m['numpy']}. "
         f"Load average (1, 5, 15 min) {', '.join(f'{x:.2f}' for x in m['load_average_before'])} before and "
-        f"{', '.join(f'{x:.2f}' for x in m['load_average_after'])} after: "
-        + ("the machine was shared with other work while this ran, so times are medians of several runs and "
-           "read high rather than low." if max(m["load_average_before"][0], m["load_average_after"][0]) > 0.5
-           else "the machine was otherwise idle."),
+        f"{', '.join(f'{x:.2f}' for x in m['load_average_after'])} after. Times are medians of several solves; "
+        "on a shared machine they read high rather than low.",
         "",
         f"Setup: {r['setup']['layers']} layers x {r['setup']['experts']} experts, {r['setup']['slots']} slots, "
         f"{r['setup']['gpus']} GPUs, in 1 node and in {NODES} nodes; {r['setup']['pairs_per_layer']} pairs per "
         "layer drawn from the popularity of each load kind (lognormal(0, 1); Zipf, s = 1; `hot`: lognormal(0, 0.5) "
-        "with 4 experts per layer at 8-20x the mean). EPLB is `moewatch/planner/eplb_reference.py`, DeepSeek's "
+        "with 4 experts per layer at 8-20x the mean). EPLB is `tools/eplb_reference.py`, DeepSeek's "
         f"published greedy written here in numpy, run in the same process on the same loads; its hierarchical "
         f"policy uses {EPLB_GROUPS} expert groups (DeepSeek-V3). Balancedness is mean over max of per-GPU load, "
         "averaged over layers (worst layer in brackets). Cross-node share: pairs that leave their node when "
@@ -268,7 +272,7 @@ def render_markdown(r: dict[str, Any], command: str) -> str:
     lines += [
         "",
         "EPLB's times here are those of our numpy port, run in this process; REFERENCE.md measured the published "
-        "torch code at 0.6-2.8 s on a machine like this one (its loop over one-element tensors dominates). With "
+        "torch code on a machine like this one, slower still (its loop over one-element tensors dominates). With "
         "one node the hierarchical policy is the global one with groups (it packs all groups onto the one node).",
         "",
         "## After a load drift: minimal movement",
@@ -296,7 +300,7 @@ def render_markdown(r: dict[str, Any], command: str) -> str:
         "",
         "## Affinity: consecutive-layer pairs kept on a GPU",
         "",
-        f"Synthetic trace with a planted inter-layer affinity: {aff[0]['tokens_fit'] + aff[0]['tokens_held_out']} "
+        f"Synthetic trace with a planted inter-layer affinity: {aff[0]['tokens']} "
         f"tokens, top-{TOP_K}, {TOPICS} hidden topics; each token's choices come with probability 0.7 from its "
         "topic's 8 experts of that layer (a different random partition per layer), popularity lognormal(0, 0.5). "
         "The placement is fitted on the first half of the tokens and scored on the second half (held out), so "
@@ -332,7 +336,7 @@ def render_markdown(r: dict[str, Any], command: str) -> str:
         "the trace is a small sample of each expert's load, and a plan fitted to one sample is balanced for it.",
         "",
         f"A small trace: fitted on {r['small_trace'][0]['tokens_fit']} tokens of a "
-        f"{r['small_trace'][0]['tokens_fit'] + r['small_trace'][0]['tokens_held_out']}-token trace of the same kind "
+        f"{r['small_trace'][0]['tokens']}-token trace of the same kind "
         "(the size of the Mixtral trace on which placements fitted on one half did worse on the other than "
         "ExFlow's), 1 node; the gap between the two columns is what fitting noise costs:",
         "",
@@ -355,13 +359,13 @@ def render_markdown(r: dict[str, Any], command: str) -> str:
 @click.command("planner", cls=OneLineCommand)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON only.")
 @click.option("--write", "write_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the results page here (docs/benchmarks/planner.md).")
+              help="Write the results page here too (docs/benchmarks/planner.md is rendered by `bench render`).")
 @click.option("--repeats", type=click.IntRange(min=1), default=9, show_default=True,
               help="Solves per load for the median time.")
 @click.option("--tokens", type=click.IntRange(min=4), default=16384, show_default=True,
               help="Tokens in the affinity trace (half fitted, half held out).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def planner(as_json: bool, write_path: str | None, repeats: int, tokens: int, seed: int) -> None:
+def planner(as_json: bool, write_path: str | None, repeats: int, tokens: int, seed: int) -> dict[str, Any]:
     """Planner against DeepSeek's EPLB: balance, solve time, movement after drift, affinity."""
     results = run(repeats, tokens, seed, progress=lambda message: click.echo(message, err=True))
     command = f"moewatch bench planner --repeats {repeats} --tokens {tokens} --seed {seed}" + (
@@ -373,6 +377,7 @@ def planner(as_json: bool, write_path: str | None, repeats: int, tokens: int, se
         click.echo(json.dumps(results, default=_jsonable))
     else:
         click.echo(page)
+    return results
 
 
 def _jsonable(value: Any) -> Any:

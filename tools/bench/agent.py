@@ -1,7 +1,7 @@
 """`moewatch bench agent`: what one agent process costs at a given window size and rate.
 
 A real agent (`moewatch agent`, its own process) is fed by a real client over its unix socket: a
-hello, then production-size windows (moewatch.examples.production_window) at a fixed rate, while a
+hello, then production-size windows (moewatch.tools.examples.production_window) at a fixed rate, while a
 scraper reads /metrics the way Prometheus does. Measured on the agent process, from /proc: CPU
 seconds per window and the share of one core, resident memory; from the scraper: scrape time; from
 /metrics: how many windows the triage had not caught up with at the end. The in-process triage of
@@ -93,7 +93,7 @@ def full_evidence_window(seed: int, **size: Any):
     the traffic matrix [L][W][W], per-step data (production_window), plus per-rank totals and capacity
     drops (a capacity factor in force; the four hottest experts of each layer lose 1-5 % of their
     pairs, which were routed but never computed)."""
-    from moewatch.examples import production_window
+    from moewatch.tools.examples import production_window
 
     w = production_window(seed, **size)
     rng = np.random.default_rng(seed + 1)
@@ -312,7 +312,7 @@ def _ready(url: str) -> bool:
 @click.option("--mode", type=click.Choice(["observe", "recommend"]), default="observe", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print only the result object as JSON.")
 def agent(layers: int, experts: int, slots: int, ranks: int, top_k: int, rate: float, seconds: float,
-          scrape_interval: float, mode: str, as_json: bool) -> None:
+          scrape_interval: float, mode: str, as_json: bool) -> dict[str, Any]:
     """CPU, memory, scrape time and lag of a real agent fed production-size windows over its socket."""
     if slots < experts or slots % ranks or top_k > experts:
         from moewatch.commands import fail_input
@@ -322,10 +322,11 @@ def agent(layers: int, experts: int, slots: int, ranks: int, top_k: int, rate: f
     result = run(layers, experts, slots, ranks, top_k, rate, seconds, scrape_interval, mode=mode)
     if as_json:
         click.echo(json.dumps(result, indent=1))
-        return
+        return result
     for key in CONTRACT_KEYS + ("triage_cpu_ms", "rss_peak_mb", "scrape_ms_p90", "scrape_ms_p99", "lag_max_windows",
                                 "windows_sent", "windows_processed", "series", "frame_bytes", "load_average_before"):
         click.echo(f"{key:>22}  {result[key]}")
     click.echo("CPU ms per window, by phase (in-process):")
     for phase, ms in result["phase_cpu_ms"].items():
         click.echo(f"{phase:>22}  {ms}")
+    return result

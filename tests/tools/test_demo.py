@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from moewatch.agent.audit import read_audit
-from moewatch.agent.demo import default_ranks
+from moewatch.tools.demo import default_ranks
 from moewatch.cli import main
 
 
@@ -21,11 +21,13 @@ def test_demo_json_summary(short_tmp, monkeypatch):
     # The demo's own shape makes each step take a few hundred ms of expert compute (so the gain shows);
     # this checks the wiring and the summary on a small one, in this process (the runtime is still a
     # subprocess), so the test does not wait for big matmuls.
-    from moewatch.agent import demo
+    from moewatch.tools import demo
 
     for key, value in {"hidden": 64, "ffn": 128, "batch-tokens": 128, "window-steps": 4}.items():
         monkeypatch.setitem(demo.DEMO_RUNTIME, key, value)
-    result = CliRunner().invoke(main, ["demo", "--seconds", "8", "--json", "--keep", str(short_tmp / "demo")])
+    results = short_tmp / "results"
+    result = CliRunner().invoke(main, ["demo", "--seconds", "8", "--json", "--keep", str(short_tmp / "demo"),
+                                       "--record", "--results-dir", str(results)])
     assert result.exit_code == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout)  # the whole of stdout is the object
     for key in ("tokens_lost", "actions_applied", "balancedness_before", "balancedness_after", "step_p99_before_s",
@@ -46,6 +48,9 @@ def test_demo_json_summary(short_tmp, monkeypatch):
     events = [r["event"] for r in read_audit(summary["audit_log"])]
     assert "plan_applied" in events
     assert Path(summary["folder"], "summary.json").exists()
+    # --record: the summary with its provenance, which the README's rendered summary reads.
+    record = json.loads(next(results.glob("demo-*.json")).read_text())
+    assert record["bench"] == "demo" and record["result"] == summary and "busy" in record["provenance"]
 
 
 def test_demo_bad_input_exits_2():

@@ -1,6 +1,6 @@
 """Does balancing shorten the step on this machine? The premise of `moewatch bench loop`, without the agent.
 
-    .venv/bin/python scripts/balance_ab.py [--steps 80] [--segment 10]
+    .venv/bin/python -m moewatch.tools.balance_ab [--steps 80] [--segment 10]
 
 One run of the reference runtime on the bench's shape and skew (two hot experts carrying 70 % of the
 pairs, started on rank 0, each rank pinned to its own core), switched by scripted plans every

@@ -23,11 +23,10 @@ from typing import Any
 import click
 import numpy as np
 
+from moewatch.agent.store import TriagedWindow
 from moewatch.cli_contract import OneLineCommand
-
-from .demo import (DEMO_RUNTIME, DEMO_RUNTIME_GPU, DemoError, agent_settings, _pct, _Recorder, _steps, run_session,
-                   scheduler_warnings_muted, step_figures)
-from .store import TriagedWindow
+from moewatch.tools.demo import (DEMO_RUNTIME, DEMO_RUNTIME_GPU, DemoError, Recorder, agent_settings, percentile,
+                                 run_session, scheduler_warnings_muted, step_figures, step_times)
 
 FIXED_MAX_MEAN = 1.15  # a window whose every layer is at or under this max/mean rank load is fixed
 
@@ -49,12 +48,12 @@ def _control_figures(windows: list[TriagedWindow], split: int, warmup_steps: int
     """The observe-mode session's step figures: over all its steps (warm-up left out), and split at
     the act session's first after-window index, for a like-for-like look."""
     body = windows[1:]
-    steps = _steps(windows)[warmup_steps:]
-    head, tail = _steps(windows[:split])[warmup_steps:], _steps(windows[split:])
+    steps = step_times(windows)[warmup_steps:]
+    head, tail = step_times(windows[:split])[warmup_steps:], step_times(windows[split:])
     return {
         "windows": len(windows),
-        "step_p50_s": _pct(steps, 50), "step_p99_s": _pct(steps, 99),
-        "step_p50_first_part_s": _pct(head, 50), "step_p50_second_part_s": _pct(tail, 50),
+        "step_p50_s": percentile(steps, 50), "step_p99_s": percentile(steps, 99),
+        "step_p50_first_part_s": percentile(head, 50), "step_p50_second_part_s": percentile(tail, 50),
         "balancedness": float(np.mean([[d.metrics["balancedness"] for d in t.diagnosis.layers] for t in body]))
         if body else None,
         "plans": 0,
@@ -64,9 +63,9 @@ def _control_figures(windows: list[TriagedWindow], split: int, warmup_steps: int
 def run_once(seconds: float, control_seconds: float, ranks: int, runtime_flags: dict[str, Any],
              folder: Path, progress: bool, label: str = "") -> dict[str, Any]:
     started = time.monotonic()
-    act_rec = _Recorder(progress, started, err=True, prefix=f"{label}act ")
+    act_rec = Recorder(progress, started, err=True, prefix=f"{label}act ")
     act = run_session(folder / "act", runtime_flags, agent_settings(runtime_flags), seconds, ranks, recorder=act_rec)
-    ctl_rec = _Recorder(progress, started, err=True, prefix=f"{label}control ")
+    ctl_rec = Recorder(progress, started, err=True, prefix=f"{label}control ")
     control = run_session(folder / "control", runtime_flags, agent_settings(runtime_flags, {"policy.mode": "observe"}),
                           control_seconds, ranks, recorder=ctl_rec)
     figures = step_figures(act.windows, act.events, int(runtime_flags["warmup-steps"]))
@@ -136,7 +135,7 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
               help="Folder for the sockets, audit logs and runtime logs (default: a temporary folder).")
 @click.option("--json", "as_json", is_flag=True, help="Print only the result as JSON.")
 def loop(seconds, control_seconds, ranks, backend, batch_tokens, hidden, ffn, window_steps, repeat, keep,
-         as_json) -> None:
+         as_json) -> dict[str, Any]:
     """Closed loop: step time before and after the agent acts, against an observe-mode control."""
     import logging
     import os
@@ -167,13 +166,14 @@ def loop(seconds, control_seconds, ranks, backend, batch_tokens, hidden, ffn, wi
     result = runs[0] if repeat == 1 else summarise_runs(runs)
     if as_json:
         click.echo(json.dumps(result, allow_nan=False))
-        return
+        return result
     for r in runs:
         _print_run(r)
     if repeat > 1:
         click.echo(f"{repeat} runs: {result['false_rollbacks']} false rollbacks "
                    f"({result['runs_with_false_rollback']} runs), pairs lost {result['pairs_lost']}, "
                    f"median p50 ratio {result['step_p50_ratio_median']}")
+    return result
 
 
 def _ms(value: float | None) -> str:

@@ -9,14 +9,15 @@ import sys
 
 import pytest
 
-from moewatch.agent.bench import CONTRACT_KEYS
+from moewatch.tools.bench.agent import CONTRACT_KEYS
 
 
 @pytest.mark.slow
-def test_bench_agent_prints_the_contract_keys():
+def test_bench_agent_prints_the_contract_keys(tmp_path):
     out = subprocess.run([sys.executable, "-m", "moewatch.cli", "bench", "agent", "--layers", "3", "--experts", "8",
                           "--slots", "8", "--ranks", "2", "--top-k", "2", "--rate", "5", "--seconds", "1",
-                          "--scrape-interval", "0.2", "--json"], capture_output=True, text=True, timeout=120)
+                          "--scrape-interval", "0.2", "--json", "--results-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)  # --json: machine output only, progress on stderr
     assert set(CONTRACT_KEYS) <= set(result)
@@ -27,6 +28,12 @@ def test_bench_agent_prints_the_contract_keys():
     assert result["phase_cpu_ms"]["triage"] > 0 and result["scrape_ms_p99"] >= result["scrape_ms_p50"]
     assert result["config"] == {"layers": 3, "experts": 8, "slots": 8, "ranks": 2, "top_k": 2, "rate": 5.0,
                                 "seconds": 1.0, "mode": "observe"}
+    # The run is recorded with its provenance, the command line as typed.
+    record = json.loads(next(tmp_path.glob("agent-*.json")).read_text())
+    assert record["result"] == result
+    typed = ("bench agent --layers 3 --experts 8 --slots 8 --ranks 2 --top-k 2 --rate 5 --seconds 1 "
+             f"--scrape-interval 0.2 --json --results-dir {tmp_path}")
+    assert record["provenance"]["command"].endswith(typed)
 
 
 def test_bench_agent_rejects_impossible_sizes_with_exit_2():
@@ -37,7 +44,7 @@ def test_bench_agent_rejects_impossible_sizes_with_exit_2():
 
 
 def test_bench_windows_carry_every_evidence_and_each_phase_is_timed():
-    from moewatch.agent.bench import PHASES, full_evidence_window, phase_cpu_ms
+    from moewatch.tools.bench.agent import PHASES, full_evidence_window, phase_cpu_ms
 
     windows = [full_evidence_window(seed, num_layers=4, num_experts=16, num_slots=24, world_size=8, top_k=2)
                for seed in range(2)]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import telemetry as tm
-from .telemetry import OPTIONAL_ARRAYS, Window
+from moewatch import telemetry as tm
+from moewatch.telemetry import OPTIONAL_ARRAYS, Window
 
 EXAMPLE_SEED = 20261130
 
@@ -269,10 +269,10 @@ def production_window(seed: int = 0, *, num_layers: int = 58, num_experts: int =
                       hidden_bytes: int = 14336, start_time: float = 1_790_000_000.0, model: str = "bench",
                       ep_group: str = "bench") -> Window:
     """One window at production size, built with array operations only (the scenarios' per-token
-    simulation is too slow at 58 x 256): a few hot experts per layer (planner.synthetic's "hot"
+    simulation is too slow at 58 x 256): a few hot experts per layer (tools/synthetic.py's "hot"
     popularity), the extra slots replicating the hottest experts, each slot's pairs coming evenly
     from every rank, times from a simple per-pair and per-byte model. For benchmarks at scale."""
-    from .planner.synthetic import popularity, sample_load
+    from .synthetic import popularity, sample_load
 
     rng = np.random.default_rng(seed)
     L, E, P, W = num_layers, num_experts, num_slots, world_size

@@ -1,0 +1,268 @@
+"""`moewatch bench render`: the benchmark tables in docs/benchmarks/*.md and the README's benchmark
+figures, rendered from the result files in docs/benchmarks/results/ (never typed by hand).
+
+A slot in a page is the text between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; NAME picks the
+renderer (SLOTS). Every row names its run: the commit, the start time, and the other processes' CPU
+while it ran, with busy runs marked busy. Numbers inside backticks are commands and commits, not
+figures; every other number in a slot comes from a result file (tests/tools/bench/test_render.py holds
+the docs to that).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from .record import REPO_ROOT, RESULTS_SUBDIR
+
+SLOT = re.compile(r"(<!-- bench:(?P<name>[a-z-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
+PAGES = ("README.md", "docs/benchmarks/agent.md", "docs/benchmarks/loop.md", "docs/benchmarks/planner.md",
+         "docs/benchmarks/probe.md", "docs/benchmarks/vllm.md")
+ROWS_PER_TABLE = 6  # the newest runs of a bench
+EPLB_PORT = "this project's numpy port of DeepSeek's EPLB (`tools/eplb_reference.py`)"
+
+
+def load_results(folder: Path) -> list[dict[str, Any]]:
+    """Every result file in `folder`, oldest run first; each record gains its file name as `file`."""
+    records = []
+    for path in sorted(folder.glob("*.json")):
+        record = json.loads(path.read_text())
+        record["file"] = path.name
+        records.append(record)
+    return sorted(records, key=lambda r: (r["provenance"]["started_utc"], r["file"]))
+
+
+def _of(records: list[dict[str, Any]], bench: str) -> list[dict[str, Any]]:
+    return [r for r in records if r["bench"] == bench][-ROWS_PER_TABLE:]
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """A recorded number as a table shows it (None: n/a)."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:.0f}"
+    return str(value)
+
+
+def machine_state(prov: dict[str, Any]) -> str:
+    """How loaded the machine was: `busy` when other processes held a tenth of a core or more."""
+    others = prov.get("other_cpu_cores")
+    shown = "unknown" if others is None else f"{fmt(others)} cores"
+    return f"**busy** (others {shown})" if prov.get("busy", True) else f"others {shown}"
+
+
+def _run_cells(record: dict[str, Any]) -> list[str]:
+    prov = record["provenance"]
+    return [f"`{prov['command']}`", f"`{prov['commit'][:12]}`", f"`{prov['started_utc']}`", machine_state(prov)]
+
+
+RUN_HEADER = ["command", "commit", "started (UTC)", "machine during the run"]
+
+
+def _table(records: list[dict[str, Any]], columns: list[tuple[str, Callable[[dict[str, Any]], Any]]],
+           bench: str, hint: str) -> str:
+    if not records:
+        return (f"_No recorded `bench {bench}` result yet: run `{hint}`, then `moewatch bench render`._\n")
+    header = RUN_HEADER + [name for name, _ in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for record in records:
+        result = record["result"]
+        lines.append("| " + " | ".join(_run_cells(record) + [fmt(get(result)) for _, get in columns]) + " |")
+    lines.append("")
+    files = ", ".join(f"`{r['file']}`" for r in records)
+    lines.append(f"From {files} in {RESULTS_SUBDIR}/.")
+    return "\n".join(lines) + "\n"
+
+
+def _key(name: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda result: result.get(name)
+
+
+def render_agent(records: list[dict[str, Any]]) -> str:
+    cols = [(k, _key(k)) for k in ("cpu_per_window_s", "cpu_share", "rss_mb", "scrape_ms_p50", "scrape_ms_p90",
+                                   "triage_ms", "triage_cpu_ms", "windows_lagging", "lag_max_windows")]
+    cols.insert(0, ("rate (windows/s)", lambda r: (r.get("config") or {}).get("rate")))
+    return _table(_of(records, "agent"), cols, "agent", "moewatch bench agent --json")
+
+
+def render_probe(records: list[dict[str, Any]]) -> str:
+    cols = [(k, _key(k)) for k in ("overhead_ratio", "overhead_ratio_of_means", "self_time_ratio",
+                                   "step_mean_s_probe_on", "step_mean_s_probe_off", "steps_measured")]
+    return _table(_of(records, "probe"), cols, "probe", "moewatch bench probe --json")
+
+
+def render_vllm(records: list[dict[str, Any]]) -> str:
+    cols = [(k, _key(k)) for k in ("mode", "overhead_ratio", "overhead_ratio_cpu_time", "tokens_per_second_inactive",
+                                   "tokens_per_second_active", "plugin_seconds_per_step", "rounds")]
+    return _table(_of(records, "vllm"), cols, "vllm", "moewatch bench vllm --json")
+
+
+def _loop_value(result: dict[str, Any], key: str) -> Any:
+    return result.get(f"{key}_median", result.get(key))
+
+
+def render_loop(records: list[dict[str, Any]]) -> str:
+    cols = [("runs", lambda r: r.get("repeat", 1)),
+            ("step p50 ratio (median)", lambda r: _loop_value(r, "step_p50_ratio")),
+            ("windows to fix (median)", lambda r: _loop_value(r, "windows_to_fix")),
+            ("false rollbacks", _key("false_rollbacks")), ("pairs lost", _key("pairs_lost"))]
+    return _table(_of(records, "loop"), cols, "loop", "moewatch bench loop --json --repeat 20")
+
+
+def render_planner(records: list[dict[str, Any]]) -> str:
+    mine = _of(records, "planner")
+    if not mine:
+        return _table([], [], "planner", "moewatch bench planner --json")
+    from .planner import render_markdown
+
+    latest = mine[-1]
+    prov = latest["provenance"]
+    return (f"Run: `{prov['command']}` at `{prov['commit'][:12]}`, `{prov['started_utc']}`, "
+            f"machine during the run: {machine_state(prov)}; from `{latest['file']}` in {RESULTS_SUBDIR}/. "
+            f"EPLB here is {EPLB_PORT} at that commit.\n\n"
+            + render_markdown(latest["result"], prov["command"], heading=False) + "\n")
+
+
+def render_readme_loop(records: list[dict[str, Any]]) -> str:
+    repeated = [r for r in _of(records, "loop") if r["result"].get("repeat", 1) > 1]
+    if not repeated:
+        return "_No recorded repeated `bench loop` run yet: run `moewatch bench loop --json --repeat 20`._\n"
+    record = repeated[-1]
+    r = record["result"]
+    ratios = [run["step_p50_ratio"] for run in r["runs"] if run["step_p50_ratio"] is not None]
+    span = f"{fmt(min(ratios))}-{fmt(max(ratios))} " if ratios else ""
+    return (f"`{record['provenance']['command']}` (`{record['file']}`, machine during the run: "
+            f"{machine_state(record['provenance'])}): step p50 ratio {span}(median "
+            f"{fmt(r['step_p50_ratio_median'])}), {r['false_rollbacks']} false rollbacks in {r['repeat']} runs, "
+            f"{r['pairs_lost']} pairs lost.\n")
+
+
+def render_readme_demo(records: list[dict[str, Any]]) -> str:
+    mine = _of(records, "demo")
+    if not mine:
+        return "_No recorded demo yet: run `moewatch demo --record`, then `moewatch bench render`._\n"
+    from moewatch.tools.demo import summary_lines
+
+    record = mine[-1]
+    prov = record["provenance"]
+    # The temporary folder's paths say nothing to a reader.
+    lines = [line for line in summary_lines(record["result"]) if not line.startswith(("  audit log", "  metrics"))]
+    return (f"`{prov['command']}` at `{prov['commit'][:12]}`, `{prov['started_utc']}`, {prov['cores']} cores, "
+            f"machine during the run: {machine_state(prov)} (`{record['file']}`):\n\n```\n" + "\n".join(lines)
+            + "\n```\n")
+
+
+SLOTS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
+    "agent": render_agent, "probe": render_probe, "vllm": render_vllm, "loop": render_loop,
+    "planner": render_planner, "readme-loop": render_readme_loop, "readme-demo": render_readme_demo,
+}
+
+
+def render_text(text: str, records: list[dict[str, Any]]) -> str:
+    """`text` with every slot's body rendered afresh from `records`."""
+    def fill(m: re.Match) -> str:
+        name = m["name"]
+        if name not in SLOTS:
+            raise click.ClickException(f"unknown slot bench:{name} (known: {', '.join(sorted(SLOTS))})")
+        return m.group(1) + SLOTS[name](records) + m.group(4)
+
+    return SLOT.sub(fill, text)
+
+
+def slots(text: str) -> list[tuple[str, str]]:
+    """(name, body) of every slot in `text`."""
+    return [(m["name"], m["body"]) for m in SLOT.finditer(text)]
+
+
+def render_pages(root: Path, results: Path, check: bool = False) -> list[str]:
+    """Render every page's slots; returns the pages that changed (with check, writes nothing)."""
+    records = load_results(results) if results.is_dir() else []
+    changed = []
+    for page in PAGES:
+        path = root / page
+        text = path.read_text()
+        new = render_text(text, records)
+        if new != text:
+            changed.append(page)
+            if not check:
+                path.write_text(new)
+    return changed
+
+
+@click.command("render")
+@click.option("--results-dir", type=click.Path(file_okay=False), default=None,
+              help=f"Result files [default: {RESULTS_SUBDIR} in the repository].")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 when a page would change.")
+def render(results_dir: str | None, check: bool) -> None:
+    """Render docs/benchmarks/*.md's tables and the README's figures from the recorded results."""
+    if not (REPO_ROOT / ".git").exists():
+        raise click.ClickException(f"{REPO_ROOT} is not a checkout of the repository: render runs inside one")
+    results = Path(results_dir) if results_dir else REPO_ROOT / RESULTS_SUBDIR
+    changed = render_pages(REPO_ROOT, results, check=check)
+    for page in changed:
+        click.echo(f"{'would change' if check else 'rendered'} {page}")
+    if check and changed:
+        raise SystemExit(1)
+
+
+NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:e[-+]?\d+)?")
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+SCALES = (1.0, 100.0, 1000.0, 1e6, 2.0 ** -20)  # as recorded; a percentage; milli-, microunits; bytes in MiB
+
+
+def _numbers(text: str) -> list[str]:
+    return NUMBER.findall(CODE_SPAN.sub(" ", text))
+
+
+def recorded_numbers(records: list[dict[str, Any]]) -> list[float]:
+    """Every number a result file holds: its numeric values and the numbers inside its strings."""
+    found: list[float] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, bool):
+            return
+        if isinstance(value, (int, float)):
+            found.append(float(value))
+        elif isinstance(value, str):
+            found.extend(float(n.replace(",", "")) for n in NUMBER.findall(value))
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    for record in records:
+        walk(record)
+    return found
+
+
+def _shown_as(value: float, token: str) -> bool:
+    """Whether `token` (as a table prints it) can be `value` rounded."""
+    shown = float(token.replace(",", ""))
+    if "e" in token:
+        return abs(value - shown) <= 0.01 * abs(shown)
+    decimals = len(token.split(".")[1]) if "." in token else 0
+    return abs(value - shown) <= 0.5 * 10 ** -decimals + 1e-9
+
+
+def figures_without_result(text: str, records: list[dict[str, Any]]) -> list[str]:
+    """Numbers in `text`'s slots that no result file in `records` holds (commands and commits in
+    backticks aside): a figure typed by hand, or one whose result file is gone."""
+    values = recorded_numbers(records)
+    missing = []
+    for name, body in slots(text):
+        for token in _numbers(body):
+            if not any(_shown_as(v * scale, token.lstrip("-")) or _shown_as(v * scale, token)
+                       for v in values for scale in SCALES):
+                missing.append(f"bench:{name}: {token}")
+    return missing
