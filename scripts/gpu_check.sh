@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 } > "$OUT/env.txt" 2>&1
 python3 -m pip install --quiet --no-deps --no-build-isolation -e . >> "$OUT/env.txt" 2>&1 \
   || { echo "install failed; see $OUT/env.txt"; exit 3; }
-python3 -m moewatch.runtime.gpu_check "$@" > "$OUT/gpu_check.json"
+python3 -m moewatch.tools.gpu_check "$@" > "$OUT/gpu_check.json"
 status=$?
 cat "$OUT/env.txt" "$OUT/gpu_check.json"
 exit $status

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moewatch.runtime import gpu_check
+from moewatch.tools import gpu_check
 
 CONTRACT = ("step_p50_before_s", "step_p50_after_s", "step_p99_before_s", "step_p99_after_s", "step_p50_ratio",
             "windows_to_fix", "migration_stall_s", "pairs_lost", "control")

@@ -1,4 +1,4 @@
-"""GPU checks of the runtime, for a machine with CUDA: `python -m moewatch.runtime.gpu_check [--quick]`.
+"""GPU checks of the runtime, for a machine with CUDA: `python -m moewatch.tools.gpu_check [--quick]`.
 
 Prints one JSON object: NCCL (EP output against the single-process reference, probe windows timed by
 CUDA events, a live placement change, a stale plan, an injected migration failure), the Triton grouped
@@ -42,7 +42,7 @@ def _timed(fn, reps: int = 20) -> float:
 
 def _kernel_case(g: torch.Generator, slots: int, hidden: int, ffn: int, rows: int, dtype: torch.dtype,
                  tolerance: float) -> dict:
-    from .kernels import grouped_swiglu_torch, grouped_swiglu_triton
+    from moewatch.runtime.kernels import grouped_swiglu_torch, grouped_swiglu_triton
 
     # Zipf-skewed ragged segments, one of them empty.
     weights = 1.0 / np.arange(1, slots + 1) ** 1.2
@@ -84,9 +84,9 @@ def kernel_check(quick: bool) -> dict:
 
 
 def nccl_checks(world_size: int, backend: str = "nccl") -> dict:
-    from . import checks
-    from .config import RuntimeConfig
-    from .launcher import run_group
+    from moewatch.runtime import checks
+    from moewatch.runtime.config import RuntimeConfig
+    from moewatch.runtime.launcher import run_group
 
     L, E, P = 2, 8, 8 + 4 * world_size
     cfg = RuntimeConfig(ranks=world_size, layers=L, experts=E, slots=P, hidden=64, ffn=128, batch_tokens=64,
@@ -120,7 +120,7 @@ def nccl_checks(world_size: int, backend: str = "nccl") -> dict:
 
 def probe_overhead(world_size: int, quick: bool) -> dict:
     from moewatch.tools.bench.probe import measure
-    from .config import RuntimeConfig
+    from moewatch.runtime.config import RuntimeConfig
 
     cfg = RuntimeConfig(ranks=world_size, layers=8, experts=32, slots=32, top_k=2, hidden=2048, ffn=1408,
                         batch_tokens=4096, backend="nccl", dtype="bfloat16", kernel="triton", zipf=1.0)
@@ -131,8 +131,8 @@ def probe_overhead(world_size: int, quick: bool) -> dict:
 
 
 def end_to_end(world_size: int) -> dict:
-    from .config import RuntimeConfig
-    from .launcher import launch
+    from moewatch.runtime.config import RuntimeConfig
+    from moewatch.runtime.launcher import launch
 
     out = {}
     for kernel in ("torch", "triton"):

@@ -1,0 +1,109 @@
+"""docs/architecture.md stays true: every file it names exists, and the arrows it draws hold in the code
+(read from each module's imports, not by importing it)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "architecture.md"
+# Folders mapped to import packages (pyproject's package-dir).
+ROOMS = {"moewatch": "moewatch", "agent": "moewatch.agent", "runtime": "moewatch.runtime", "tools": "moewatch.tools"}
+
+
+def named_paths(text: str) -> list[str]:
+    """Paths in backticks that name a file or folder of the repository (`agent/policy.py`, `tools/`)."""
+    found = []
+    for token in re.findall(r"`([^`\s]+)`", text):
+        token = token.rstrip(".,")
+        if "<" in token:  # a template such as `moewatch/integrations/<engine>/`
+            continue
+        if token.endswith("/") or token.endswith(".py") or token.endswith(".md"):
+            found.append(token)
+    return found
+
+
+def test_the_architecture_doc_names_only_files_that_exist():
+    paths = named_paths(DOC.read_text())
+    assert len(paths) > 30, "the doc names the rooms and files it describes"
+    missing = []
+    for name in paths:
+        candidates = [REPO / name, REPO / "moewatch" / name, REPO / "agent" / name, REPO / "runtime" / name]
+        if "/" not in name.rstrip("/"):
+            # A bare file name in a room's row: it must exist somewhere in the product packages.
+            candidates += [p for room in ROOMS for p in (REPO / room).rglob(name)]
+        if not any(c.exists() for c in candidates):
+            missing.append(name)
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
+
+
+def test_named_paths_finds_what_a_reader_sees():
+    assert named_paths("see `agent/policy.py`, `tools/` and `moewatch_actions_total`.") == ["agent/policy.py",
+                                                                                             "tools/"]
+
+
+def imports_of(path: Path, package: str) -> set[str]:
+    """Absolute module names a file imports (relative imports resolved against its package)."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if node.module is None:  # `from . import policy`: the names are modules
+                out.update(f"{module}.{alias.name}" for alias in node.names)
+            else:
+                out.add(module)
+    return out
+
+
+def room_modules(folder: str) -> list[tuple[Path, str]]:
+    """(file, its package) for every module of a room."""
+    root = REPO / folder
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        parts = list(rel.parts)
+        package = ".".join([ROOMS[folder], *parts[:-1]])
+        out.append((path, package))
+    return out
+
+
+FORBIDDEN = {
+    # The core is imported by everyone and imports none of the others, nor torch.
+    "moewatch": ("moewatch.agent", "moewatch.runtime", "moewatch.tools", "torch", "triton"),
+    # The sidecar never imports torch, the runtime or the tools.
+    "agent": ("moewatch.runtime", "moewatch.tools", "torch", "triton"),
+    # The runtime never imports the agent or the tools.
+    "runtime": ("moewatch.agent", "moewatch.tools"),
+}
+# The core's only lazy doors to the tools and to torch: the `examples` verb and SGLang's .pt reader.
+ALLOWED = {("moewatch/commands.py", "moewatch.tools.examples"), ("moewatch/integrations/sglang/dump.py", "torch")}
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_the_arrows_point_one_way(folder):
+    wrong = []
+    for path, package in room_modules(folder):
+        rel = str(path.relative_to(REPO))
+        for module in imports_of(path, package):
+            if any(module == f or module.startswith(f + ".") for f in FORBIDDEN[folder]) \
+                    and (rel, module) not in ALLOWED:
+                wrong.append(f"{rel} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_imports_of_resolves_relative_imports(tmp_path):
+    mod = tmp_path / "m.py"
+    mod.write_text("from . import policy\nfrom ..planner import solve\nimport torch\n")
+    assert imports_of(mod, "moewatch.agent") == {"moewatch.agent.policy", "moewatch.planner", "torch"}
