@@ -5,12 +5,12 @@ groups, windows, jobs, identity) with its name, type, labels, unit and meaning, 
 against the naming conventions when it is declared. This module lists them all: the Prometheus
 exposition and the OpenTelemetry instruments are built from this list; the alert rules
 (alerts/*.yml) and dashboards (dashboards/generate.py --check) are checked against it, and a test
-checks the live /metrics output against it. Names follow Prometheus conventions: `moewatch_`
-prefix, base units (`_seconds`, `_bytes`, `_ratio` for 0-1 shares), counters end in `_total`.
+checks the live /metrics output against it. Names follow Prometheus conventions ([prometheus],
+docs/sources.md): `moewatch_` prefix, base units (`_seconds`, `_bytes`, `_ratio` for 0-1 shares), counters end in `_total`.
 A name here is a contract with operators' alerts and dashboards: add freely, never rename.
 
 Per-layer series are aggregates (one per layer, or layer x rank); per-expert series exist only when
-the operator enables them, under a cap (REFERENCE.md: 61 x 256 experts is 15,616 series per model).
+the operator enables them, under a cap ([measured-cardinality], docs/sources.md: 61 x 256 experts is 15,616 series per model).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 - /readyz (readiness): liveness, plus the audit log is writable. It never depends on a runtime
   being connected: in Kubernetes a native sidecar's failing readiness takes the whole pod out of
   its Service, so an idle or restarting inference server must not make the agent unready
-  (REFERENCE.md).
+  ([kubernetes-sidecar], docs/sources.md).
 - HTTP: optionally HTTPS (server.tls_cert_file, server.tls_key_file) and basic authentication
   (server.basic_auth_user, server.basic_auth_password_file) for /metrics and /status; /healthz and
   /readyz stay open for probes.

@@ -156,7 +156,7 @@ def overview() -> dash_b.Dashboard:
                        .orientation(common.VizOrientation.HORIZONTAL)
                        .thresholds(thresholds((None, "orange"), (30, "red"))))
     worst_a2a = (bargauge.Panel().title("Slowest all-to-all (p99 per step, 5m)")
-                 .description(f"Layers whose all-to-all p99 is highest, top 10; seed 002 holds it under "
+                 .description(f"Layers whose all-to-all p99 is highest, top 10; [serving-2026] holds it under "
                               f"{T.a2a_p99_seconds * 1e3:g} ms per layer.")
                  .datasource(DS).span(12).height(8).unit("s").min(0)
                  .with_target(query(f"topk(10, layer:moewatch_layer_a2a_step_seconds:p99_5m{{{GROUP_SEL}}})",
@@ -274,12 +274,12 @@ def layer() -> dash_b.Dashboard:
          query(f"max(moewatch_layer_seconds{{{LAYER_SEL}}})", "whole layer", "C")])
     share = series_panel(
         "All-to-all share of layer time",
-        f"Triage step 1: at or above {T.comm_share:g} communication dominates (seed 000).", "percentunit",
+        f"Triage step 1: at or above {T.comm_share:g} communication dominates ([a2a-bottleneck]).", "percentunit",
         [query(f"max(moewatch_layer_a2a_share_ratio{{{LAYER_SEL}}})", "all-to-all share", "A")],
         limit=T.comm_share).min(0).max(1)
     a2a_p = series_panel(
         "All-to-all per step, p50 and p99 (5m)",
-        f"Over windows (each window's per-step mean); seed 002: p99 under {T.a2a_p99_seconds * 1e3:g} ms.", "s",
+        f"Over windows (each window's per-step mean); [serving-2026]: p99 under {T.a2a_p99_seconds * 1e3:g} ms.", "s",
         [query(f"layer:moewatch_layer_a2a_step_seconds:p50_5m{{{LAYER_SEL}}}", "p50", "A"),
          query(f"layer:moewatch_layer_a2a_step_seconds:p99_5m{{{LAYER_SEL}}}", "p99", "B")],
         limit=T.a2a_p99_seconds)
@@ -288,7 +288,7 @@ def layer() -> dash_b.Dashboard:
         [query(f"max by (rank) (moewatch_rank_load_pairs{{{LAYER_SEL}}})", "rank {{rank}}", "A")])
     dispersion = series_panel(
         "Rank load dispersion",
-        f"Triage step 2: std/mean above {T.rank_load_cv:g} (seed 002) or max/mean above "
+        f"Triage step 2: std/mean above {T.rank_load_cv:g} ([serving-2026]) or max/mean above "
         f"{T.rank_load_max_mean:g} means the ranks are imbalanced.", "short",
         [query(f"max(moewatch_layer_rank_load_cv_ratio{{{LAYER_SEL}}})", "std/mean", "A"),
          query(f"max(moewatch_layer_rank_load_max_mean_ratio{{{LAYER_SEL}}})", "max/mean", "B"),
@@ -323,20 +323,20 @@ def layer() -> dash_b.Dashboard:
          query(f"max(moewatch_layer_balancedness_ratio{{{LAYER_SEL}}})", "balancedness", "B")]).min(0).max(1)
     capacity = series_panel(
         "Capacity factor",
-        f"In force (0 = dropless) and effective (computed pairs over granted capacity; seed 002: above "
+        f"In force (0 = dropless) and effective (computed pairs over granted capacity; [serving-2026]: above "
         f"{T.effective_capacity_factor:g}).", "short",
         [query(f"max(moewatch_layer_capacity_factor{{{LAYER_SEL}}})", "capacity factor", "A"),
          query(f"max(moewatch_layer_effective_capacity_factor{{{LAYER_SEL}}})", "effective", "B")],
         limit=T.effective_capacity_factor).min(0)
     overflow = series_panel(
         "Overflow",
-        f"Share of routed pairs dropped or rerouted by capacity; seed 002: under {T.overflow_rate:.0%}.",
+        f"Share of routed pairs dropped or rerouted by capacity; [serving-2026]: under {T.overflow_rate:.0%}.",
         "percentunit",
         [query(f"layer:moewatch_layer_overflow_pairs:ratio_rate5m{{{LAYER_SEL}}}", "overflow (5m)", "A"),
          query(f"max(moewatch_layer_overflow_ratio{{{LAYER_SEL}}})", "overflow (latest window)", "B")],
         limit=T.overflow_rate).min(0)
     drops = series_panel(
-        "Dropped and rerouted pairs per second", "Seed 002: dropped tokens ideally 0.", "short",
+        "Dropped and rerouted pairs per second", "[serving-2026]: dropped tokens ideally 0.", "short",
         [query(f"sum(rate(moewatch_layer_dropped_pairs_total{{{LAYER_SEL}}}[$__rate_interval]))", "dropped", "A"),
          query(f"sum(rate(moewatch_layer_rerouted_pairs_total{{{LAYER_SEL}}}[$__rate_interval]))", "rerouted", "B")])
     board = base("moewatch-layer", "moewatch / layer",

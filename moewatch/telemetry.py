@@ -1,6 +1,6 @@
 """The Window: one sampling window of one EP group, aggregated over its ranks.
 
-The contract is ../shared/WINDOW.md (mirrored in docs/telemetry.md). A Window is immutable once built
+The contract is docs/telemetry.md. A Window is immutable once built
 and always valid: every constructor path runs `validate`, which rejects the whole window with a
 `WindowError` naming the first field that breaks an invariant. Nothing downstream re-checks shapes.
 
@@ -47,7 +47,7 @@ ARRAY_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     # Additive v1 extension: per-rank totals, for a source that sees no per-expert counts.
     "rank_tokens": ("i", ("L", "W")),
 }
-# Absent evidence (WINDOW.md): a source that cannot measure a field leaves it out (None here, null in
+# Absent evidence (docs/telemetry.md): a source that cannot measure a field leaves it out (None here, null in
 # JSON, no entry in the binary form) rather than guessing it. Only the placement, the routed counts
 # and the capacity factor in force are always present; the routed counts (expert_tokens) may be left
 # out only when rank_tokens stands in for them (a source that sees only per-rank totals, such as
@@ -279,7 +279,7 @@ def _as_array(name: str, kind: str, value: Any) -> np.ndarray:
 
 
 def validate(w: Window) -> None:
-    """Check every invariant of WINDOW.md; raise WindowError naming the first broken field."""
+    """Check every invariant of docs/telemetry.md; raise WindowError naming the first broken field."""
     if w.schema != SCHEMA:
         raise WindowError("schema", f"unknown schema {w.schema!r}")
     sizes_at_least_one = ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node")
@@ -490,7 +490,7 @@ def decode_binary(blob: bytes) -> Window:
     return Window.from_dict(data)
 
 
-# --- derived quantities (WINDOW.md, "What the triage derives") --------------------------------
+# --- derived quantities (docs/telemetry.md, "What the triage derives") --------------------------------
 # Each returns one value per layer: an array of shape [L] unless said otherwise, or None when the
 # window lacks the evidence (`Window.missing_evidence` says which). Nothing is estimated in its place.
 
@@ -574,7 +574,7 @@ def rank_load_max_mean(w: Window) -> np.ndarray | None:
 
 @_once
 def rank_load_cv(w: Window) -> np.ndarray | None:
-    """[L] std/mean of rank load (the seeds' expert-load-per-card dispersion)."""
+    """[L] std/mean of rank load (the expert-load-per-card dispersion of [serving-2026])."""
     load = rank_load(w)
     return None if load is None else _ratio(load.std(axis=1), load.mean(axis=1))
 
@@ -663,7 +663,7 @@ def overflow_rate(w: Window) -> np.ndarray | None:
 def effective_capacity_factor(w: Window) -> np.ndarray | None:
     """[L] computed pairs over the capacity granted, C x k x tokens; NaN where dropless (C = 0).
 
-    Seed 002 asks for C_eff > 0.8: the share of the capacity buffer doing useful work. A layer
+    [serving-2026] asks for C_eff > 0.8: the share of the capacity buffer doing useful work. A layer
     padded far beyond its load (C = 2 on balanced routing) reads about 0.5. None without step_tokens
     or without the computed pairs (slot_tokens, or routed minus dropped).
     """
@@ -683,7 +683,7 @@ def effective_capacity_factor(w: Window) -> np.ndarray | None:
 
 @_once
 def a2a_lower_bound_seconds(w: Window, link_bandwidth_bytes_per_s: float) -> np.ndarray | None:
-    """[L] Aurora's bound on dispatch + combine time for the window.
+    """[L] Aurora's bound ([aurora]) on dispatch + combine time for the window.
 
     max over ranks of sent or received pairs x hidden_bytes / bandwidth, once per direction
     (combine moves the same bytes back). Summed over steps, this stays a lower bound because the
@@ -721,7 +721,7 @@ def a2a_efficiency(w: Window, link_bandwidth_bytes_per_s: float) -> np.ndarray |
 @_once
 def mean_message_bytes(w: Window) -> np.ndarray | None:
     """[L] mean bytes per rank-to-rank message per step and direction (the small-message signal:
-    seed 002 puts fixed per-message cost in charge below 32 KB)."""
+    [serving-2026] puts fixed per-message cost in charge below 32 KB)."""
     if w.sent_tokens is None:
         return None
     messages = w.steps * w.world_size * max(w.world_size - 1, 1)

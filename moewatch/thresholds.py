@@ -1,4 +1,4 @@
-"""Triage thresholds: one validated object, the seeds' values as defaults, each with its source.
+"""Triage thresholds: one validated object, the source documents' values as defaults, each with its source (keys of docs/sources.md).
 
 Overridable from a YAML file (a mapping, optionally under a `thresholds:` key) and from flags
 (`thresholds_options` turns every field into a `--name` option). Unknown or out-of-range values are
@@ -25,43 +25,43 @@ def _t(default: float, source: str, help: str, lo: float = 0.0, hi: float = math
 @dataclass(frozen=True)
 class Thresholds:
     comm_share: float = _t(
-        0.5, "seed 000: all-to-all near or above half of layer time means communication dominates",
+        0.5, "[a2a-bottleneck]: all-to-all near or above half of layer time means communication dominates",
         "all-to-all share of layer time at or above which a layer is communication-dominated", 0.0, 1.0)
     rank_load_cv: float = _t(
-        0.3, "seed 002: expert load per card, std/mean < 0.3",
+        0.3, "[serving-2026]: expert load per card, std/mean < 0.3",
         "std/mean of per-rank load above which ranks are imbalanced")
     rank_load_max_mean: float = _t(
         1.3, "moewatch: the busiest rank 30 % above the mean (std/mean 0.3 on two ranks)",
         "max/mean of per-rank load above which ranks are imbalanced", 1.0)
     expert_load_cv: float = _t(
-        0.3, "seed 002 applied per expert: std/mean < 0.3",
+        0.3, "[serving-2026] applied per expert: std/mean < 0.3",
         "std/mean of per-expert load above which routing is skewed")
     hot_expert_multiple: float = _t(
-        2.0, "moewatch: an expert with twice the mean expert load is hot (seed 000: long-term hot experts)",
+        2.0, "moewatch: an expert with twice the mean expert load is hot ([a2a-bottleneck]: long-term hot experts)",
         "multiple of the mean expert load above which an expert is hot", 1.0)
     cross_rank_margin: float = _t(
         0.05, "moewatch: measured cross-rank ratio 5 points above the placement's prediction",
         "how far the cross-rank ratio may exceed the placement's prediction before the mapping is blamed", 0.0, 1.0)
     small_message_bytes: float = _t(
-        32768, "seed 002: messages under 32 KB are dominated by per-message protocol overhead",
+        32768, "[serving-2026]: messages under 32 KB are dominated by per-message protocol overhead",
         "mean all-to-all message size below which fixed per-collective cost dominates")
     overflow_rate: float = _t(
-        0.05, "seed 002: expert overflow rate < 5 %",
+        0.05, "[serving-2026]: expert overflow rate < 5 %",
         "share of routed pairs dropped or rerouted above which the overflow flag is raised", 0.0, 1.0)
     overflow_target: float = _t(
-        0.01, "moewatch: the capacity action aims under 1 % overflow (seed 002: C = 2.0 gives < 2 %)",
+        0.01, "moewatch: the capacity action aims under 1 % overflow ([serving-2026]: C = 2.0 gives < 2 %)",
         "overflow the recommended capacity factor aims for", 0.0, 1.0)
     max_capacity_factor: float = _t(
-        2.0, "seed 002: C = 2.0 roughly doubles expert memory",
+        2.0, "[serving-2026]: C = 2.0 roughly doubles expert memory",
         "largest capacity factor the triage will recommend", 1.0)
     compute_straggler_max_mean: float = _t(
         1.3, "moewatch: the slowest rank's expert compute 30 % above the mean at even load",
         "max/mean of per-rank compute time above which a rank is a hardware straggler", 1.0)
     effective_capacity_factor: float = _t(
-        0.8, "seed 002: capacity_factor_effective > 0.8",
+        0.8, "[serving-2026]: capacity_factor_effective > 0.8",
         "computed pairs over granted capacity below which capacity is mostly padding", 0.0, 1.0)
     a2a_p99_seconds: float = _t(
-        0.005, "seed 002: all-to-all latency p99 < 5 ms per layer",
+        0.005, "[serving-2026]: all-to-all latency p99 < 5 ms per layer",
         "per-layer per-step all-to-all time the alerts hold p99 under")
     link_bandwidth_bytes_per_second: float = _t(
         4.5e11, "moewatch: NVLink-class per-GPU bandwidth for the Aurora bound; set yours",

@@ -1,10 +1,10 @@
 """Nodes: which pairs cross the slower inter-node link, and what moving an expert across it costs.
 
 An EP group of W ranks spans N = W / G nodes of G ranks (`ranks_per_node` in the hello and every
-window); rank r sits on node r // G (WINDOW.md). Inside a node ranks share a fast interconnect
+window); rank r sits on node r // G (docs/telemetry.md). Inside a node ranks share a fast interconnect
 (NVLink class); across nodes the all-to-all goes over the network (RDMA), several times slower
-(seed 002: ~700 GB/s against ~22 GB/s). So a group that spans nodes is judged, and planned, on its
-cross-node traffic: the seeds' comm-bound case is the cross-node all-to-all, and the remedy is a
+([serving-2026]: ~700 GB/s against ~22 GB/s). So a group that spans nodes is judged, and planned, on its
+cross-node traffic: the comm-bound case of [serving-2026] is the cross-node all-to-all, and the remedy is a
 node-aware placement that keeps a token's experts inside its node.
 
 Pure functions of arrays (numpy only), shared by the triage, the exporters and the agent's policy.

@@ -1,4 +1,4 @@
-"""The documented triage order (seed 000, "observable signals and fault location"), per layer.
+"""The documented triage order ([a2a-bottleneck], "observable signals and fault location"), per layer.
 
 1. All-to-all share of layer time: at or above `comm_share`, communication dominates.
 2. Dispersion of per-rank load (std/mean, max/mean): large means load imbalance. A fast rank's

@@ -8,7 +8,7 @@ CPU. Nothing in a step synchronises with the host or talks to other ranks.
 
 Every `window_steps` steps (or about `window_seconds`) each rank calls the flush at the same step;
 one all_reduce over the runtime's own process group sums the ranks' contributions, and rank 0 builds
-the Window (WINDOW.md, validated) and hands it to its sinks (a non-blocking sender, a file...).
+the Window (docs/telemetry.md, validated) and hands it to its sinks (a non-blocking sender, a file...).
 Per-rank quantities travel as one column per rank, so the sum carries them exactly. Traffic comes
 from each rank's pairs per slot: the slots of rank j receive what rank i sent to j, so local, sent
 and received pairs all follow from the [W, W] matrix and agree by construction.

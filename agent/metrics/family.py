@@ -1,6 +1,6 @@
 """What a metric family is: its name, kind, labels, help and unit, declared once and checked.
 
-The checks are the conventions of agent/catalog.py and REFERENCE.md: a `moewatch_` prefix, snake
+The checks are the conventions of agent/catalog.py and [prometheus] (docs/sources.md): a `moewatch_` prefix, snake
 case, base units spelled out in the name (`_seconds`, `_bytes`, `_ratio` for 0-1 shares), counters
 and only counters ending in `_total`. A declaration that breaks one raises when its module is
 imported, so a misnamed metric never reaches /metrics.

@@ -2,7 +2,7 @@
 the one place a window's series are set.
 
 Per-layer series are aggregates (one per layer, or layer x rank); per-expert series exist only when
-the operator enables them, under a cap (REFERENCE.md: 61 x 256 experts is 15,616 series per model).
+the operator enables them, under a cap ([measured-cardinality], docs/sources.md: 61 x 256 experts is 15,616 series per model).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .family import GROUP, LAYER, Counter, Gauge, Histogram, Labels, families_of
 if TYPE_CHECKING:
     from .state import MetricsState
 
-# Buckets for the per-step all-to-all time histogram: the seeds' 5 ms p99 threshold sits inside.
+# Buckets for the per-step all-to-all time histogram: the 5 ms p99 threshold of [serving-2026] sits inside.
 A2A_STEP_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1)
 # Buckets for an expert's load over the layer's mean expert load (1.0 = average).
 EXPERT_LOAD_SHARE_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)

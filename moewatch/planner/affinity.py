@@ -1,6 +1,6 @@
 """Affinity-aware placement: put experts that follow each other between layers on the same GPU.
 
-ExFlow (IPDPS'24) observed that a token's expert at layer l+1 depends strongly on its expert at
+ExFlow (IPDPS'24, [exflow]) observed that a token's expert at layer l+1 depends strongly on its expert at
 layer l, and placed experts so that such pairs share a GPU, but balanced expert counts per GPU, not
 tokens. Here the same goal is pursued under a floor on token balancedness.
 

@@ -4,9 +4,9 @@ Per layer and step (every term a parameter times a count; the parameters are fit
 non-negative least squares):
 - compute: the busiest rank, seconds_per_pair x its pairs + seconds_per_local_expert x the experts
   it runs (one grouped-GEMM tile set each) + fixed_seconds;
-- all-to-all, dispatch and combine alike: Aurora's bound, the busiest rank's send or receive bytes
+- all-to-all, dispatch and combine alike: Aurora's bound ([aurora]), the busiest rank's send or receive bytes
   over the link bandwidth (NVLink-class inside a node, network-class across), plus a fixed cost per
-  peer message (seed 002: small messages are latency-bound).
+  peer message ([serving-2026]: small messages are latency-bound).
 Traffic follows the runtime's replica choice: tokens start evenly over ranks and use a replica on
 their own rank, else on their own node (spread evenly), else any (spread evenly).
 
@@ -16,7 +16,7 @@ per step (as TensorRT-LLM does), each step stalls for its own layers' bytes only
 `whatif` sweeps use a balanced routing model instead of a placement: pairs per rank N k / W, the
 busiest rank above it by about sqrt(2 ln W) Poisson standard deviations. With one expert per rank
 the compute falls as experts (and ranks) grow while messages and cross-node bytes grow: the U-shaped
-latency against expert count of seed 002.
+latency against expert count of [serving-2026].
 
 Sizes: L layers, E experts, P slots, W ranks, N nodes, G = W / N ranks per node.
 """
@@ -40,8 +40,8 @@ class CostModel:
     seconds_per_pair: float = 2.2e-7  # expert FFN, d=7168, ffn=2048, bf16: 88 MFLOP at ~400 TFLOP/s
     seconds_per_local_expert: float = 26e-6  # streaming that expert's 88 MB of weights from 3.35 TB/s HBM
     fixed_seconds: float = 2e-5
-    seconds_per_byte_intra: float = 1.0 / 700e9  # seed 002: NVLink all-to-all about 700 GB/s in practice
-    seconds_per_byte_inter: float = 1.0 / 22e9  # seed 002: 200 Gb/s InfiniBand about 22 GB/s
+    seconds_per_byte_intra: float = 1.0 / 700e9  # [serving-2026]: NVLink all-to-all about 700 GB/s in practice
+    seconds_per_byte_inter: float = 1.0 / 22e9  # [serving-2026]: 200 Gb/s InfiniBand about 22 GB/s
     seconds_per_message: float = 3e-6
     migration_bytes_per_second: float = 50e9
 

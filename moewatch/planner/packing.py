@@ -2,7 +2,7 @@
 
 Two steps, both vectorised over layers:
 1. `lpt_pack`: replicas in decreasing load go to the lightest GPU with a free slot (longest
-   processing time first, DeepSeek's EPLB packing), preferring a GPU that does not hold the expert
+   processing time first, DeepSeek's EPLB packing, [deepseek-eplb]), preferring a GPU that does not hold the expert
    yet and, with several nodes, a node that does not hold it yet: spreading replicas over nodes is
    what lets the runtime's "own rank, then own node" choice keep pairs inside a node.
 2. `refine_by_swaps`: while some swap of one replica on the busiest GPU with one replica elsewhere

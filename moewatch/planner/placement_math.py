@@ -1,10 +1,10 @@
 """What a placement is worth: per-GPU load, balancedness, cross-GPU and cross-node shares, movement.
 
 Sizes in docstrings: L layers, E logical experts, P physical slots, W GPUs (ranks), N nodes,
-S = P // W slots per GPU, G = W // N GPUs per node. Slot s lives on GPU s // S (WINDOW.md), GPU g on
+S = P // W slots per GPU, G = W // N GPUs per node. Slot s lives on GPU s // S (docs/telemetry.md), GPU g on
 node g // G.
 
-Conventions (DESIGN.md): an expert's load is split evenly over its replicas; balancedness of a layer
+Conventions (docs/planner.md): an expert's load is split evenly over its replicas; balancedness of a layer
 is mean over max of per-GPU load (1.0 for an idle layer). For the shares, tokens start evenly over
 the ranks and the runtime picks a replica on its own rank, else on its own node, else any.
 """

@@ -4,7 +4,7 @@ the window it builds from logical counts, and the sinks it hands windows to.
 An adapter (vllm_plugin.py, transformers_probe.py) sees only what the engine's router chose: logical
 top-k expert ids per token. From those it counts pairs per layer and logical expert on the device
 (`PairCounter`), and at flush builds a Window (`logical_window`) that carries what it measured and
-leaves out, as absent evidence (WINDOW.md), what it did not: rank-level counts when no slot counts
+leaves out, as absent evidence (docs/telemetry.md), what it did not: rank-level counts when no slot counts
 were seen, timings when they could not be had without a host sync. Nothing is guessed. The SGLang
 hook (sglang_hooks.py) ends its windows on its own timer from cumulative counters, and builds them
 with the same `logical_window`.

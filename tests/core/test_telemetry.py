@@ -209,7 +209,7 @@ def test_max_min_is_infinite_when_a_rank_is_idle(hand):
 
 
 def test_binary_is_compact_at_production_size():
-    # 58 layers x 256 experts, 288 slots on 32 ranks: the shape REFERENCE.md benchmarks EPLB on.
+    # 58 layers x 256 experts, 288 slots on 32 ranks: the shape [measured-eplb-torch] (docs/sources.md) timed DeepSeek's EPLB on.
     w = simulate(scenario("healthy", num_layers=58, num_experts=256, extra_slots=32, world_size=32,
                           tokens_per_step=512, steps=2), seed=5)
     blob = w.to_bytes()

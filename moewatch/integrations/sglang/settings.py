@@ -37,7 +37,7 @@ class SGLangSettings:
     command_timeout_seconds: float = setting(600.0, "sglang.command is stopped after this long", kind=float,
                                              lo=1, hi=86_400)
     apply_seconds: float = setting(1.8, "what applying a placement costs SGLang, in seconds of stalled serving "
-                                        "(about 1.8 s for its rebalance; a restart's time when sglang.command "
+                                        "(about 1.8 s for its rebalance, [measured-stalls]; a restart's time when sglang.command "
                                         "restarts it): the cost gate weighs every plan against it",
                                    kind=float, lo=0, hi=86_400)
 
