@@ -75,7 +75,7 @@ def _free_port() -> int:
 def test_the_agent_starts_and_answers_healthz_without_the_extras(tmp_path):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-c", RUN_CLI, "agent", "--socket", str(tmp_path / "a.sock"),
-                             "--listen", f"127.0.0.1:{port}", "--audit-log", str(tmp_path / "audit.jsonl")],
+                             "--listen", f"127.0.0.1:{port}", "--log.audit-log", str(tmp_path / "audit.jsonl")],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline, status = time.monotonic() + 60, None
@@ -101,7 +101,7 @@ def test_report_without_matplotlib_names_the_extra(tmp_path):
 
 def test_an_otlp_endpoint_without_opentelemetry_refuses_to_start(tmp_path):
     out = _sidecar("agent", "--socket", str(tmp_path / "a.sock"), "--listen", "127.0.0.1:0",
-                   "--audit-log", str(tmp_path / "audit.jsonl"), "--otlp-endpoint", "http://127.0.0.1:4318",
+                   "--log.audit-log", str(tmp_path / "audit.jsonl"), "--exporters.otlp-endpoint", "http://127.0.0.1:4318",
                    env={**os.environ})
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "pip install 'moewatch[otel]'" in out.stderr

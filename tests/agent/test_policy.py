@@ -144,11 +144,11 @@ def test_capacity_raise_is_the_per_step_solve_over_the_evidence_windows():
     s = scenario("overflow", world_size=4, num_experts=8, num_layers=2)
     windows = [TriagedWindow(w, diagnose(w), 0.0) for w in
                (simulate(s, seed=i, start_time=1000.0 + 10 * i) for i in range(3))]
-    c = cfg(capacity_factor_max=8.0)
-    proposal = policy.decide(view(windows, num_experts=8, num_slots=8), c, 0.0)
-    wanted = [capacity_for_windows([e.window for e in windows], layer, c.thresholds.overflow_target)
+    c = cfg(policy={"capacity_factor_max": 8.0})
+    proposal = policy.decide(view(windows, num_experts=8, num_slots=8), c.policy, 0.0)
+    wanted = [capacity_for_windows([e.window for e in windows], layer, c.policy.overflow_target)
               for layer in range(2)]
-    expected = [min(max(x, c.capacity_factor_min), c.thresholds.max_capacity_factor) for x in wanted]
+    expected = [min(max(x, c.policy.capacity_factor_min), c.policy.max_capacity_factor) for x in wanted]
     assert proposal.capacity_factor.tolist() == pytest.approx(expected)
 
 

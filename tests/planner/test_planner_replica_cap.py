@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moewatch.checks import is_valid_placement
 from moewatch.planner import placement_math as metrics, solve_placement
 from moewatch.planner.replicate import capped_replica_counts
 from moewatch.planner.placement_math import PlacementShapeError
@@ -33,7 +34,7 @@ def test_solve_placement_keeps_each_expert_under_the_cap():
     pmap = capped.physical_to_logical_map
     counts = metrics.replica_counts_of(pmap, E)
     assert counts.max() == 2 and (counts.sum(axis=1) == P).all()
-    assert metrics.is_valid_placement(pmap, E, 4)
+    assert is_valid_placement(pmap, E, 4)
     # Aligned to the current placement: slots that can keep their expert do.
     assert (metrics.experts_moved(current, pmap) < P).all()
     # A cap the fixed slots cannot meet rises to ceil(P / E) rather than leave a slot empty.

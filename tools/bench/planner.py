@@ -271,7 +271,8 @@ def render_markdown(r: dict[str, Any], command: str, heading: bool = True) -> st
             f"{o['cross_node_share']:.3f} / {g['cross_node_share']:.3f} / {h['cross_node_share']:.3f} |")
     lines += [
         "",
-        "EPLB's times here are those of our numpy port, run in this process; [measured-eplb-torch] (docs/sources.md) measured DeepSeek's published "
+        "EPLB's times here are those of our numpy port, run in this process; [measured-eplb-torch] "
+        "(docs/sources.md) measured DeepSeek's published "
         "torch code on a machine like this one, slower still (its loop over one-element tensors dominates). With "
         "one node the hierarchical policy is the global one with groups (it packs all groups onto the one node).",
         "",
