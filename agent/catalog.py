@@ -116,8 +116,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "Runtime connections refused at accept (max_connections, out_of_descriptors) or HTTP "
                "connections refused (http_max_connections)."),
     MetricSpec("moewatch_connections_closed_total", "counter", ("reason",),
-               "Runtime connections the agent closed on a peer (slow_reader, frame_deadline, buffer_budget)."),
+               "Runtime connections the agent closed on a peer (slow_reader, frame_deadline, buffer_budget, "
+               "hello_deadline, hello_evicted)."),
     MetricSpec("moewatch_groups_retired_total", "counter", (), "EP groups forgotten after their runtime left."),
+    MetricSpec("moewatch_groups_evicted_total", "counter", (),
+               "EP groups whose runtime had left, forgotten at max_groups to make room for a new group."),
     MetricSpec("moewatch_job_errors_total", "counter", ("task",), "Scheduled job runs that raised."),
     MetricSpec("moewatch_job_misfires_total", "counter", ("task",), "Scheduled job runs missed."),
     MetricSpec("moewatch_agent_mode", "gauge", ("mode",), "1 for the agent's mode (observe, recommend, act)."),

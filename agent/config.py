@@ -58,6 +58,9 @@ class AgentConfig:
     # --- what a peer may cost (hostile or broken runtimes)
     max_connections: int = _f(256, "runtime connections open at once (socket and TCP); more are refused and "
                                    "counted", kind=int, lo=1, hi=1_000_000)
+    hello_deadline_seconds: float = _f(10.0, "a connection that has not said hello this long after it opened is "
+                                             "closed (a silent peer keeps no connection slot)", kind=float,
+                                       lo=0.01, hi=3600)
     frame_deadline_seconds: float = _f(10.0, "a frame that started to arrive must be complete within this, and a "
                                              "queued plan must leave within this; else the connection is closed",
                                        kind=float, lo=0.01, hi=3600)

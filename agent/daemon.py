@@ -29,7 +29,7 @@ from .controller import Controller
 from .exporters import MetricsState, init_group, init_jobs, init_static, make_registry, record_window, render
 from .health import Check, Health, HttpSecurity, SystemdNotifier, WebServer, health_body
 from .jobs import Jobs
-from .receiver import Connection, Limits, Receiver, TcpListenError
+from .receiver import CLOSED_REASONS, Connection, Limits, Receiver, TcpListenError
 from .throttle import Throttle
 from .store import GroupStore, Store, TriagedWindow
 
@@ -123,12 +123,13 @@ class Daemon:
         self.controller = Controller(cfg, self.store, self.metrics, self.audit, actuator)
         for reason in ("max_connections", "out_of_descriptors", "http_max_connections"):
             self.metrics.inc("moewatch_connections_refused_total", (reason,), 0)
-        for reason in ("slow_reader", "frame_deadline", "buffer_budget"):
+        for reason in CLOSED_REASONS:
             self.metrics.inc("moewatch_connections_closed_total", (reason,), 0)
         self.metrics.inc("moewatch_groups_retired_total", (), 0)
+        self.metrics.inc("moewatch_groups_evicted_total", (), 0)
         limits = Limits(max_connections=cfg.max_connections, frame_deadline=cfg.frame_deadline_seconds,
                         buffer_budget=cfg.buffer_budget_bytes, max_outbox_bytes=cfg.max_outbox_bytes,
-                        log_interval=cfg.log_interval_seconds)
+                        log_interval=cfg.log_interval_seconds, hello_deadline=cfg.hello_deadline_seconds)
         self.receiver = Receiver(cfg.socket, cfg.socket_mode_bits, cfg.max_frame_bytes,
                                  on_message=self.handle_message, on_reject=self._on_reject,
                                  on_frame=lambda t: self.metrics.inc("moewatch_frames_received_total", (t,)),
@@ -297,7 +298,7 @@ class Daemon:
             reason, detail = problem
             self._on_reject(conn, reason, f"hello rejected: {detail}", count=False)
             return reason
-        group = self.store.get_or_create(key)
+        group = self._group_for(key)
         if group is None:
             return "too_many_groups"
         init_group(self.metrics, key)
@@ -323,7 +324,7 @@ class Daemon:
         """A window from a polled source (no connection): its group is created, or re-sized, from the
         window itself, then it passes the same gate as a runtime's. Returns the rejection reason."""
         key = (window.model, window.ep_group)
-        group = self.store.get_or_create(key)
+        group = self._group_for(key)
         if group is None:
             reason = "too_many_groups"
         else:
@@ -422,17 +423,38 @@ class Daemon:
                            if t is not None)
                 if now - last < self.cfg.group_retire_seconds:
                     continue
-            self.controller.abandon(group, "group retired: its runtime left")
-            self.store.remove(group.key)
-            self.controller.forget(group.key)
-            self.metrics.remove_group(group.key)
-            self.metrics.inc("moewatch_groups_retired_total", ())
-            if self.audit is not None:
-                self.audit.record("group_retired", model=group.key[0], ep_group=group.key[1],
-                                  idle_seconds=round(now - last, 3), windows=group.windows_accepted)
+            self._forget_group(group, "retired", idle_seconds=round(now - last, 3))
             log.info("group %s/%s retired: no runtime for %.0f s", *group.key, now - last)
             retired.append(group.key)
         return retired
+
+    def _forget_group(self, group: GroupStore, how: str, **fields: Any) -> None:
+        """Drop a group whose runtime left: its plans are abandoned, its store, control state and
+        series go, and it is counted (moewatch_groups_{how}_total) and audited (group_{how})."""
+        self.controller.abandon(group, f"group {how}: its runtime left")
+        self.store.remove(group.key)
+        self.controller.forget(group.key)
+        self.metrics.remove_group(group.key)
+        self.metrics.inc(f"moewatch_groups_{how}_total", ())
+        if self.audit is not None:
+            self.audit.record(f"group_{how}", model=group.key[0], ep_group=group.key[1],
+                              windows=group.windows_accepted, **fields)
+
+    def _group_for(self, key: tuple[str, str]) -> GroupStore | None:
+        """The group's store, created if new. At max_groups a live runtime never waits for gone ones:
+        the group disconnected the longest is evicted to make room; None only when every group kept
+        has a runtime connected."""
+        group = self.store.get_or_create(key)
+        while group is None:
+            victim = self.store.longest_disconnected()
+            if victim is None:
+                return None
+            left = victim.left_at
+            self._forget_group(victim, "evicted", for_group=list(key),
+                               disconnected_seconds=None if left is None else round(time.time() - left, 3))
+            log.info("group %s/%s evicted for %s/%s: max_groups %d reached", *victim.key, *key, self.cfg.max_groups)
+            group = self.store.get_or_create(key)
+        return group
 
     def watchdog_job(self) -> None:
         ok, checks = self.health.live()

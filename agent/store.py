@@ -214,7 +214,8 @@ class GroupStore:
 
 
 class Store:
-    """Every group the agent has heard from, bounded by max_groups."""
+    """Every group the agent has heard from, bounded by max_groups (the daemon makes room for a live
+    runtime by evicting `longest_disconnected`)."""
 
     def __init__(self, history_windows: int, max_groups: int, history_bytes: int = 64 * 1024 * 1024):
         self.history_windows = history_windows
@@ -232,6 +233,15 @@ class Store:
                     return None
                 group = self._groups[key] = GroupStore(key, self.history_windows, self.history_bytes)
             return group
+
+    def longest_disconnected(self) -> GroupStore | None:
+        """The group whose runtime left first (the one to make room with when the store is full), or
+        None when every group has a runtime connected."""
+        with self._lock:
+            groups = list(self._groups.values())
+        gone = [g for g in groups if not g.connected]
+        # A group that never completed a hello (left_at None) has the least to lose.
+        return min(gone, key=lambda g: -1.0 if g.left_at is None else g.left_at, default=None)
 
     def remove(self, key: GroupKey) -> GroupStore | None:
         with self._lock:
