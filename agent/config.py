@@ -81,7 +81,8 @@ class AgentConfig:
                                            "jobs) are logged at most once per reason per interval", kind=float,
                                      lo=0.01, hi=86_400)
     # --- the HTTP listener's protection
-    max_http_connections: int = _f(32, "HTTP connections served at once; more are closed at once", kind=int,
+    max_http_connections: int = _f(32, "HTTP requests served at once; more are closed at once (connections that "
+                                       "send nothing yet wait without a slot, at most 4 times this many)", kind=int,
                                    lo=1, hi=10_000)
     http_idle_seconds: float = _f(10.0, "an HTTP connection that sends nothing for this long is closed",
                                   kind=float, lo=0.1, hi=3600)
@@ -96,7 +97,9 @@ class AgentConfig:
                             "backlog together; the oldest go first (a 58x256 window is about 2.8 MB, its diagnosis "
                             "about 0.5 MB more)",
                             kind=int, lo=1024 * 1024, hi=1 << 40)
-    max_groups: int = _f(64, "EP groups tracked at once; a hello beyond it is refused", kind=int, lo=1, hi=10_000)
+    max_groups: int = _f(64, "EP groups tracked at once; at the limit a new group evicts the one whose runtime "
+                             "left the longest ago, and a hello is refused only when every group is connected",
+                         kind=int, lo=1, hi=10_000)
     # --- the jobs
     triage_interval_seconds: float = _f(1.0, "how often the triage job triages the windows that arrived "
                                              "since its last run", kind=float, lo=0.05, hi=3600)
