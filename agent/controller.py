@@ -1,6 +1,10 @@
 """The reconcile loop per EP group: observe (triaged windows), decide (policy.py), act (actuators.py),
 confirm (the Ack's epoch), verify (windows of the new epoch only) and roll back when a layer got worse.
 
+Acting never happens under the controller's lock: a plan is recorded in flight, then handed to the
+ActuationWorker (actuation.py), whose outcome comes back through `on_actuation` (an actuator's own
+Ack goes on to `on_ack`, as a runtime's does).
+
 State per group, readable on /status: the plan in flight (sent, no Ack yet), the plan under
 verification, each layer's last change (cooldown) and the times plans went out (rate limit). At most
 one plan is in flight or under verification per group, so every verification compares one change.
@@ -23,7 +27,8 @@ from moewatch.plan import Plan, PlanError
 from moewatch.wire import Ack
 
 from . import policy
-from .actuators import Actuator
+from .actuation import ActuationWorker
+from .actuators import Actuation, Actuator
 from .audit import AuditLog
 from .exporters import MetricsState
 from .store import GroupStore, Store, TriagedWindow
@@ -62,7 +67,9 @@ class GroupControl:
 
 class Controller:
     def __init__(self, cfg, store: Store, metrics: MetricsState, audit: AuditLog, actuator: Actuator,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, worker: ActuationWorker | None = None):
+        """`worker` runs the applies; by default one whose outcomes come straight to `on_actuation` (the
+        daemon passes one whose outcomes take the Ack queue)."""
         self.cfg = cfg
         self.store = store
         self.metrics = metrics
@@ -72,6 +79,7 @@ class Controller:
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self._control: dict[tuple[str, str], GroupControl] = {}
         self._lock = threading.RLock()
+        self.worker = worker or ActuationWorker(actuator, self.on_actuation)
 
     def control(self, key: tuple[str, str]) -> GroupControl:
         with self._lock:
@@ -174,12 +182,33 @@ class Controller:
         self._record(group, "plan_sent", epoch=epoch, reason=reason, layers=list(changed),
                      kinds=flight.kinds if rollback_of is None else ["rollback"], rollback_of=rollback_of,
                      capacity_factor=[float(cap[i]) for i in changed])
-        actuation = self.actuator.apply(group.key, plan)
-        if actuation.status == "failed" and actuation.ack is None:
-            self._finish_failed(group, ctl, flight, actuation.detail)
-        elif actuation.ack is not None:
-            self.on_ack(group, actuation.ack)
+        if not self.worker.submit(group.key, plan):
+            self._finish_failed(group, ctl, flight, "not applied: the agent is stopping or too many applies wait")
         return plan
+
+    def on_actuation(self, group_key: tuple[str, str], plan: Plan, actuation: Actuation, seconds: float) -> None:
+        """An apply finished (on the worker's thread, or the daemon's Ack thread). An actuator that
+        completes by itself answers with its Ack (handled as a runtime's), a failure without one fails
+        the plan if it is still in flight, and a plan sent over a connection waits for its Ack."""
+        group = self.store.get(group_key)
+        if group is None:
+            log.info("apply of epoch %d for %s/%s finished after the group was forgotten: %s", plan.epoch,
+                     *group_key, actuation.detail)
+            return
+        ctl = self.control(group_key)
+        with self._lock:
+            flight = ctl.in_flight
+            current = flight is not None and flight.plan.epoch == plan.epoch
+            # A plan handed to a runtime is audited by its Ack; an apply the actuator finished itself,
+            # or one whose plan was closed meanwhile (ack timeout, a new lineage), by this line.
+            if actuation.ack is not None or not current:
+                self._record(group, "actuation_finished", epoch=plan.epoch,
+                             actuator=getattr(self.actuator, "name", ""), status=actuation.status,
+                             detail=actuation.detail, seconds=round(seconds, 3), in_flight=current)
+            if actuation.ack is not None:
+                self.on_ack(group, actuation.ack)
+            elif actuation.status == "failed" and current:
+                self._finish_failed(group, ctl, flight, actuation.detail)
 
     # --- confirm ------------------------------------------------------------------------------------
     def on_ack(self, group: GroupStore, ack: Ack) -> str | None:
@@ -235,14 +264,20 @@ class Controller:
         self._record(group, "plan_failed", epoch=flight.plan.epoch, layers=list(flight.changed_layers),
                      error=why, epoch_in_force=None if ack is None else ack.epoch_in_force)
 
+    def ack_deadline_seconds(self) -> float:
+        """How long a plan may stay in flight: ack_timeout_seconds, plus the actuator's own bound on an
+        apply when it has one (an SGLang command's timeout: a rolling restart is not a lost Ack)."""
+        return self.cfg.ack_timeout_seconds + float(getattr(self.actuator, "timeout_seconds", 0.0) or 0.0)
+
     def check_timeouts(self, now: float | None = None) -> None:
         now = self.clock() if now is None else now
+        limit = self.ack_deadline_seconds()
         for group in self.store.groups():
             ctl = self.control(group.key)
             with self._lock:
                 flight = ctl.in_flight
-                if flight is not None and now - flight.sent_at > self.cfg.ack_timeout_seconds:
-                    self._finish_failed(group, ctl, flight, f"no Ack within {self.cfg.ack_timeout_seconds:g} s")
+                if flight is not None and now - flight.sent_at > limit:
+                    self._finish_failed(group, ctl, flight, f"no Ack within {limit:g} s")
 
     def abandon(self, group: GroupStore, why: str) -> None:
         """The runtime this group's plans were for is gone (a new lineage, or the group retired): a plan

@@ -2,8 +2,10 @@
 
 Start order: audit log, metric state (+ OpenTelemetry), store and controller, socket, HTTP, jobs,
 then READY=1. Stop order (SIGTERM or SIGINT): STOPPING=1, socket (no new windows), jobs
-(shutdown(wait=True): a running triage or plan finishes), HTTP, OpenTelemetry (final push), audit
-log (fsync). Every per-message path is here; per-window work runs in the triage job.
+(shutdown(wait=True): a running triage or plan finishes), applies (up to ACTUATION_STOP_SECONDS for
+one running; what is left is audited as actuation_unfinished), the Ack thread, HTTP, OpenTelemetry
+(final push), audit log (fsync). Every per-message path is here; per-window work runs in the triage
+job, applies on the actuation worker's threads, Acks and apply outcomes on the Ack thread.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from moewatch.telemetry import Window
 from moewatch.triage import diagnose
 from moewatch.wire import Ack, Heartbeat, Hello
 
+from .actuation import ActuationWorker
 from .actuators import make_actuator
 from .audit import AuditLog, jsonable
 from .config import AgentConfig
@@ -36,6 +39,9 @@ from .store import GroupStore, Store, TriagedWindow
 log = logging.getLogger("moewatch.agent")
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# How long a stopping agent waits for an apply under way (a rolling restart may take minutes: it is
+# left to finish on its own, and audited as unfinished).
+ACTUATION_STOP_SECONDS = 5.0
 
 
 class StartupError(Exception):
@@ -104,6 +110,7 @@ class Daemon:
         self._stopped = False
         self._acks: queue.Queue = queue.Queue(maxsize=1024)
         self._ack_thread: threading.Thread | None = None
+        self.actuation: ActuationWorker | None = None
         self.started_at: float | None = None
         self.sglang = None  # SGLangSource when a dump folder or /metrics URL is configured
 
@@ -120,7 +127,8 @@ class Daemon:
 
             self.otel = OtelBridge(self.metrics, cfg.otlp_endpoint, cfg.otlp_interval_seconds, self._otel_readers)
         actuator = make_actuator(cfg, self.connection_of)
-        self.controller = Controller(cfg, self.store, self.metrics, self.audit, actuator)
+        self.actuation = ActuationWorker(actuator, self._on_actuation)
+        self.controller = Controller(cfg, self.store, self.metrics, self.audit, actuator, worker=self.actuation)
         for reason in ("max_connections", "out_of_descriptors", "http_max_connections"):
             self.metrics.inc("moewatch_connections_refused_total", (reason,), 0)
         for reason in CLOSED_REASONS:
@@ -198,10 +206,17 @@ class Daemon:
         self.notifier.stopping()
         if self.receiver is not None:
             self.receiver.stop()
+        self.jobs.shutdown()
+        if self.actuation is not None:
+            for left in self.actuation.stop(ACTUATION_STOP_SECONDS):
+                log.warning("stopping with the apply of epoch %d for %s/%s %s", left.plan.epoch, *left.group_key,
+                            f"still running after {left.seconds:g} s" if left.running else "not started")
+                if self.audit is not None and not quiet:
+                    self.audit.record("actuation_unfinished", model=left.group_key[0], ep_group=left.group_key[1],
+                                      epoch=left.plan.epoch, running=left.running, seconds=left.seconds)
         if self._ack_thread is not None:
             self._acks.put(None)
             self._ack_thread.join(10)
-        self.jobs.shutdown()
         if self.web is not None:
             self.web.stop()
         if self.otel is not None:
@@ -275,11 +290,24 @@ class Daemon:
             return "unexpected"  # plans flow agent -> runtime only
         return "unexpected"
 
+    def _on_actuation(self, group_key: tuple[str, str], plan: Plan, actuation, seconds: float) -> None:
+        """An apply's outcome (the actuation worker's thread) joins the runtimes' Acks on the Ack thread."""
+        try:
+            self._acks.put(("actuation", group_key, plan, actuation, seconds), timeout=5)
+        except queue.Full:
+            self.controller.on_actuation(group_key, plan, actuation, seconds)
+
     def _ack_loop(self) -> None:
         while True:
             item = self._acks.get()
             if item is None:
                 return
+            if item[0] == "actuation":
+                try:
+                    self.controller.on_actuation(*item[1:])
+                except Exception:
+                    log.exception("actuation outcome handling failed")
+                continue
             conn, group, ack = item
             try:
                 reason = self.controller.on_ack(group, ack)
