@@ -211,11 +211,17 @@ class Controller:
                 self._finish_failed(group, ctl, flight, actuation.detail)
 
     # --- confirm ------------------------------------------------------------------------------------
-    def on_ack(self, group: GroupStore, ack: Ack) -> str | None:
-        """An Ack from the runtime; returns a rejection reason when it answers no plan in flight."""
+    def on_ack(self, group: GroupStore, ack: Ack, lineage: int | None = None) -> str | None:
+        """An Ack from the runtime; returns a rejection reason when it answers no plan in flight, or
+        comes from an ended `lineage` (the group's lineage when the Ack arrived; None: the actuator's
+        own). An old runtime's Ack must never move a restarted runtime's epoch fence: its windows
+        count from epoch 0 again and would all be fenced out as stale."""
         ctl = self.control(group.key)
         with self._lock:
             flight = ctl.in_flight
+            if lineage is not None and lineage != group.lineage:
+                group.note_epoch(ack.epoch_in_force)
+                return "stale_epoch"
             if flight is None or ack.plan_epoch != flight.plan.epoch:
                 group.note_epoch(ack.epoch_in_force)
                 return "stale_epoch"

@@ -263,15 +263,20 @@ class Daemon:
         group = self.store.get(conn.group) if conn.group else None
         if group is None:
             return "out_of_order"  # anything before a hello
+        if group.connection_id != conn.id:
+            # A connection replaced by a newer hello of its group (frames decoded in the same read as
+            # it was closed): an old runtime's window or Ack must not move the new one's epoch fence.
+            return "replaced"
         if isinstance(msg, Window):
             if (msg.model, msg.ep_group) != group.key:
                 return "mismatch"
             return group.accept_window(msg)
         if isinstance(msg, Ack):
             # Off the receiver's thread: the controller's lock can be held by a planning run, and the
-            # receiver serves every connection.
+            # receiver serves every connection. Tagged with the lineage it answers (read here, in
+            # frame order): a restarted runtime's hello may be handled before this Ack is.
             try:
-                self._acks.put_nowait((conn, group, msg))
+                self._acks.put_nowait((conn, group, msg, group.lineage))
             except queue.Full:
                 return "backlog"
             return None
@@ -308,9 +313,9 @@ class Daemon:
                 except Exception:
                     log.exception("actuation outcome handling failed")
                 continue
-            conn, group, ack = item
+            conn, group, ack, lineage = item
             try:
-                reason = self.controller.on_ack(group, ack)
+                reason = self.controller.on_ack(group, ack, lineage)
             except Exception:
                 log.exception("ack handling failed")
                 reason = "handler_error"

@@ -50,3 +50,89 @@ def test_a_limit_made_of_connected_groups_refuses(start_agent, helpers):
     assert daemon.metrics.get("moewatch_groups_evicted_total", ()) == 0
     for rt in kept:
         rt.close()
+
+
+def test_a_restarted_runtime_is_decided_on_and_acted_on_when_the_old_ones_ack_arrives_late(start_agent, helpers):
+    """The old runtime answers its plan and dies; its Ack is still queued (the controller was busy)
+    when the new runtime says hello at epoch 0. The old lineage's Ack must not raise the new one's
+    fence: else every window of the restarted runtime is stale and the group is never decided on."""
+    import dataclasses
+
+    from moewatch import wire
+
+    daemon = start_agent(mode="act", persist_windows=4, verify_windows=5, cooldown_seconds=8)
+
+    def runtime(pid):
+        rt = helpers.FakeRuntime(daemon.cfg.socket)
+        rt.hello = dataclasses.replace(rt.hello, pid=pid)
+        return rt.connect()
+
+    def feed(rt, n, start):
+        for i in range(n):
+            rt.send(helpers.make_window(helpers.hot_load(L, E), helpers.contiguous(L, E, P), W,
+                                        start_time=start + 10 * i))
+
+    old = runtime(100)
+    group = helpers.wait_group(daemon)
+    feed(old, 4, 1000.0)
+    assert helpers.wait_for(lambda: len(group.history) == 4)
+    daemon.plan_job()
+    plan = old.wait_plan()
+    assert plan is not None
+    with daemon.controller._lock:  # a planning run elsewhere holds the controller
+        old.send(wire.Ack(plan_epoch=plan.epoch, epoch_in_force=plan.epoch, ok=True))
+        # Read before the new hello; its handling waits for the controller.
+        assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_frames_received_total", ("ack",)) == 1)
+        old.close()
+        assert helpers.wait_for(lambda: not group.connected)
+        new = runtime(200)
+        assert helpers.wait_for(lambda: group.lineage == 1)  # hello handled; abandoning waits too
+    # The restarted runtime is observed, decided on and acted on like a new one.
+    feed(new, 4, 5000.0)
+    assert helpers.wait_for(lambda: len(group.recent(epoch=0)) == 4 and group.epoch_in_force == 0), \
+        (group.epoch_in_force, rejected(daemon, "stale_epoch"))
+    assert rejected(daemon, "stale_epoch") == 1  # the old runtime's Ack, none of the new one's windows
+    daemon.plan_job()
+    again = new.wait_plan()
+    assert again is not None and again.epoch > plan.epoch
+    decisions = [r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "decision"]
+    assert len(decisions) == 4  # two layers, twice
+    new.close()
+
+
+def test_frames_of_a_replaced_connection_never_move_the_new_runtimes_fence(start_agent, helpers):
+    """A restarted runtime takes its group over while the old connection still has frames read (in the
+    same read as it is closed): an old window at the plan's epoch must not fence the new one out."""
+    import dataclasses
+
+    from moewatch import wire
+
+    daemon = start_agent(mode="act")
+    old = helpers.FakeRuntime(daemon.cfg.socket)
+    old.hello = dataclasses.replace(old.hello, pid=100)
+    old.connect()
+    group = helpers.wait_group(daemon)
+    old_conn = daemon.connection_of(group.key)
+    for i in range(2):
+        old.send(helpers.make_window(helpers.hot_load(L, E), helpers.contiguous(L, E, P), W, start_time=1000.0 + i))
+    assert helpers.wait_for(lambda: len(group.history) == 2)
+    daemon.plan_job()
+    plan = old.wait_plan()
+    old.send(wire.Ack(plan_epoch=plan.epoch, epoch_in_force=plan.epoch, ok=True))
+    assert helpers.wait_for(lambda: group.epoch_in_force == plan.epoch)
+    new = helpers.FakeRuntime(daemon.cfg.socket)
+    new.hello = dataclasses.replace(new.hello, pid=200)
+    new.connect()
+    assert helpers.wait_for(lambda: group.lineage == 1 and group.connection_id != old_conn.id)
+    late = helpers.make_window(helpers.hot_load(L, E), plan.physical_to_logical_map, W, epoch=plan.epoch,
+                               start_time=3000.0)
+    assert daemon.handle_message(old_conn, late) == "replaced"
+    assert group.epoch_in_force == 0
+    for i in range(2):
+        new.send(helpers.make_window(helpers.hot_load(L, E), helpers.contiguous(L, E, P), W, start_time=4000.0 + i))
+    assert helpers.wait_for(lambda: len(group.recent(epoch=0)) == 2)
+    daemon.plan_job()
+    again = new.wait_plan()
+    assert again is not None and again.epoch > plan.epoch
+    old.close()
+    new.close()
