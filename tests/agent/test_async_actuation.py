@@ -133,3 +133,23 @@ def test_stop_does_not_wait_for_an_apply_that_never_ends(start_agent, helpers):
     assert read_audit(daemon.cfg.audit_log)[-1]["event"] == "agent_stopped"
     blocking.release.set()  # its late outcome is dropped: the agent has stopped
     rt.close()
+
+
+def test_the_ack_timeout_fails_a_plan_whose_apply_still_runs_and_its_late_outcome_is_audited(start_agent, helpers):
+    daemon = start_agent(mode="act", ack_timeout_seconds=0.3)
+    blocking = Blocking()
+    use_actuator(daemon, blocking)
+    rt, group = hot_group(daemon, helpers, "m")
+    daemon.plan_job()
+    assert blocking.entered.wait(5)
+    failed = lambda: [r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "plan_failed"]  # noqa: E731
+    assert helpers.wait_for(failed)  # the export job's timeout check, while apply() is still blocked
+    assert failed()[0]["error"] == "no Ack within 0.3 s" and daemon.actuation.busy(group.key)
+    assert daemon.controller.status(group.key)["in_flight"] is None
+    blocking.release.set()
+    late = lambda: [r for r in read_audit(daemon.cfg.audit_log) if r["event"] == "actuation_finished"]  # noqa: E731
+    assert helpers.wait_for(late)
+    assert late()[0]["in_flight"] is False and late()[0]["detail"] == "released"
+    assert helpers.wait_for(lambda: not daemon.actuation.busy(group.key))
+    assert len(failed()) == 1  # the late failure does not fail the plan twice
+    rt.close()
