@@ -136,3 +136,28 @@ def test_frames_of_a_replaced_connection_never_move_the_new_runtimes_fence(start
     assert again is not None and again.epoch > plan.epoch
     old.close()
     new.close()
+
+
+def test_a_window_taken_for_triage_before_a_restart_never_counts_for_the_new_runtime(helpers):
+    import dataclasses
+
+    from moewatch.agent.store import GroupStore, TriagedWindow
+    from moewatch.triage import diagnose
+    from moewatch.thresholds import Thresholds
+    from moewatch.wire import Hello
+
+    group = GroupStore(("m", "g"), history_windows=8)
+    hello = Hello(runtime="fake", model="m", ep_group="g", world_size=W, num_layers=L, num_experts=E, num_slots=P,
+                  pid=100)
+    group.on_hello(hello, 1)
+    window = helpers.make_window(helpers.hot_load(L, E), helpers.contiguous(L, E, P), W)
+    assert group.accept_window(window) is None
+    (taken,) = group.take_untriaged()  # the triage job is under way with it...
+    assert group.on_hello(dataclasses.replace(hello, pid=200), 2)  # ...when the restarted runtime says hello
+    triaged = TriagedWindow(taken, diagnose(taken, Thresholds()), 0.0)
+    assert group.add_triaged(triaged) is False
+    assert group.recent() == []
+    fresh = helpers.make_window(helpers.hot_load(L, E), helpers.contiguous(L, E, P), W, start_time=2000.0)
+    assert group.accept_window(fresh) is None
+    assert group.add_triaged(TriagedWindow(fresh, diagnose(fresh, Thresholds()), 0.0)) is True
+    assert [t.window for t in group.recent()] == [fresh]
