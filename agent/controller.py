@@ -199,9 +199,10 @@ class Controller:
         with self._lock:
             flight = ctl.in_flight
             current = flight is not None and flight.plan.epoch == plan.epoch
-            # A plan handed to a runtime is audited by its Ack; an apply the actuator finished itself,
-            # or one whose plan was closed meanwhile (ack timeout, a new lineage), by this line.
-            if actuation.ack is not None or not current:
+            # A plan handed to a runtime ("sent") is audited by its Ack, which may even come first; an
+            # apply the actuator finished itself, or a failure after its plan was closed (ack timeout,
+            # a new lineage), by this line.
+            if actuation.ack is not None or (actuation.status == "failed" and not current):
                 self._record(group, "actuation_finished", epoch=plan.epoch,
                              actuator=getattr(self.actuator, "name", ""), status=actuation.status,
                              detail=actuation.detail, seconds=round(seconds, 3), in_flight=current)

@@ -462,13 +462,14 @@ class Daemon:
         return retired
 
     def _forget_group(self, group: GroupStore, how: str, **fields: Any) -> None:
-        """Drop a group whose runtime left: its plans are abandoned, its store, control state and
-        series go, and it is counted (moewatch_groups_{how}_total) and audited (group_{how})."""
+        """Drop a group whose runtime left (`how`: retired or evicted): its plans are abandoned, its
+        store, control state and series go, and it is counted and audited (group_{how})."""
         self.controller.abandon(group, f"group {how}: its runtime left")
         self.store.remove(group.key)
         self.controller.forget(group.key)
         self.metrics.remove_group(group.key)
-        self.metrics.inc(f"moewatch_groups_{how}_total", ())
+        counter = "moewatch_groups_evicted_total" if how == "evicted" else "moewatch_groups_retired_total"
+        self.metrics.inc(counter, ())
         if self.audit is not None:
             self.audit.record(f"group_{how}", model=group.key[0], ep_group=group.key[1],
                               windows=group.windows_accepted, **fields)
