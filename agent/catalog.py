@@ -50,7 +50,7 @@ METRICS: tuple[Family, ...] = (
     w.LAYER_UNHEALTHY_WINDOWS,
     # --- the agent itself
     connections.FRAMES_RECEIVED_TOTAL, connections.FRAMES_REJECTED_TOTAL, connections.CONNECTIONS_REFUSED_TOTAL,
-    connections.CONNECTIONS_CLOSED_TOTAL, groups.GROUPS_RETIRED_TOTAL,
+    connections.CONNECTIONS_CLOSED_TOTAL, groups.GROUPS_RETIRED_TOTAL, groups.GROUPS_EVICTED_TOTAL,
     jobs.JOB_ERRORS_TOTAL, jobs.JOB_MISFIRES_TOTAL,
     identity.AGENT_MODE, identity.AGENT_INFO,
 )

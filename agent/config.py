@@ -89,8 +89,9 @@ class ServerSettings:
     listen: str = setting("127.0.0.1:9477", "HOST:PORT of the HTTP server (/metrics, /healthz, /readyz, /status)")
     tcp_listen: str = setting("", "HOST:PORT of an optional TCP listener speaking the socket's frames (a bare "
                                   "PORT listens on 127.0.0.1; empty: none)")
-    max_http_connections: int = setting(32, "HTTP connections served at once; more are closed at once", kind=int,
-                                        lo=1, hi=10_000)
+    max_http_connections: int = setting(32, "HTTP requests served at once; more are closed at once (connections "
+                                            "that send nothing yet wait without a slot, at most 4 times this many)",
+                                        kind=int, lo=1, hi=10_000)
     http_idle_seconds: float = setting(10.0, "an HTTP connection that sends nothing for this long is closed",
                                        kind=float, lo=0.1, hi=3600)
     tls_cert_file: str = setting("", "PEM certificate for HTTPS on server.listen (with server.tls_key_file; "
@@ -144,13 +145,17 @@ class LimitsSettings:
                                                       "its connection is closed", kind=int, lo=1024, hi=1 << 34)
     max_connections: int = setting(256, "runtime connections open at once (socket and TCP); more are refused and "
                                         "counted", kind=int, lo=1, hi=1_000_000)
+    hello_deadline_seconds: float = setting(10.0, "a connection that has not said hello this long after it opened "
+                                                  "is closed (a silent peer keeps no connection slot)", kind=float,
+                                            lo=0.01, hi=3600)
     max_world_size: int = setting(4096, "largest world_size a hello may declare", kind=int, lo=1, hi=1 << 20)
     max_num_layers: int = setting(1024, "most MoE layers a hello may declare", kind=int, lo=1, hi=1 << 20)
     max_num_experts: int = setting(8192, "most experts per layer a hello may declare", kind=int, lo=1, hi=1 << 24)
     max_num_slots: int = setting(131072, "most physical slots per layer a hello may declare", kind=int, lo=1,
                                  hi=1 << 26)
-    max_groups: int = setting(64, "EP groups tracked at once; a hello beyond it is refused", kind=int, lo=1,
-                              hi=10_000)
+    max_groups: int = setting(64, "EP groups tracked at once; at the limit a new group evicts the one whose runtime "
+                                  "left the longest ago, and a hello is refused only when every group is connected",
+                              kind=int, lo=1, hi=10_000)
     group_retire_seconds: float = setting(3600.0, "a group whose runtime left and sent nothing for this long is "
                                                   "forgotten and its series removed", kind=float, lo=0.1,
                                           hi=365 * 86_400)

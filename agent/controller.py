@@ -1,6 +1,10 @@
 """The reconcile loop per EP group: observe (triaged windows), decide (policy.py), act (integrations/),
 confirm (the Ack's epoch), verify (windows of the new epoch only) and roll back when a layer got worse.
 
+Acting never happens under the controller's lock: a plan is recorded in flight, then handed to the
+ActuationWorker (actuation.py), whose outcome comes back through `on_actuation` (an actuator's own
+Ack goes on to `on_ack`, as a runtime's does).
+
 State per group, readable on /status: the plan in flight (sent, no Ack yet), the plan under
 verification, each layer's last change (cooldown) and the times plans went out (rate limit). At most
 one plan is in flight or under verification per group, so every verification compares one change.
@@ -20,12 +24,13 @@ from typing import Any, Callable
 import numpy as np
 
 from moewatch.integrations import registry
-from moewatch.integrations.base import Actuator
+from moewatch.integrations.base import Actuation, Actuator
 from moewatch.plan import Plan, PlanError
 from moewatch.vocabulary import ROLLBACK_APPLIED
 from moewatch.wire import Ack
 
 from . import policy, verification
+from .actuation import ActuationWorker
 from .audit import AuditLog
 from .metrics.actions import ACTIONS_TOTAL, ROLLBACKS_TOTAL
 from .metrics.state import MetricsState
@@ -66,7 +71,9 @@ class GroupControl:
 
 class Controller:
     def __init__(self, cfg, store: Store, metrics: MetricsState, audit: AuditLog, actuator: Actuator,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, worker: ActuationWorker | None = None):
+        """`worker` runs the applies; by default one whose outcomes come straight to `on_actuation` (the
+        daemon passes one whose outcomes take the Ack queue)."""
         self.cfg = cfg
         self.params = from_config(cfg)  # what the policy and verification decide within
         self.store = store
@@ -77,6 +84,7 @@ class Controller:
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self._control: dict[tuple[str, str], GroupControl] = {}
         self._lock = threading.RLock()
+        self.worker = worker or ActuationWorker(actuator, self.on_actuation)
 
     def control(self, key: tuple[str, str]) -> GroupControl:
         with self._lock:
@@ -185,19 +193,47 @@ class Controller:
         self._record(group, "plan_sent", epoch=epoch, reason=reason, layers=list(changed),
                      kinds=flight.kinds if rollback_of is None else ["rollback"], rollback_of=rollback_of,
                      capacity_factor=[float(cap[i]) for i in changed])
-        actuation = self.actuator.apply(group.key, plan)
-        if actuation.status == "failed" and actuation.ack is None:
-            self._finish_failed(group, ctl, flight, actuation.detail)
-        elif actuation.ack is not None:
-            self.on_ack(group, actuation.ack)
+        if not self.worker.submit(group.key, plan):
+            self._finish_failed(group, ctl, flight, "not applied: the agent is stopping or too many applies wait")
         return plan
 
+    def on_actuation(self, group_key: tuple[str, str], plan: Plan, actuation: Actuation, seconds: float) -> None:
+        """An apply finished (on the worker's thread, or the daemon's Ack thread). An actuator that
+        completes by itself answers with its Ack (handled as a runtime's), a failure without one fails
+        the plan if it is still in flight, and a plan sent over a connection waits for its Ack."""
+        group = self.store.get(group_key)
+        if group is None:
+            log.info("apply of epoch %d for %s/%s finished after the group was forgotten: %s", plan.epoch,
+                     *group_key, actuation.detail)
+            return
+        ctl = self.control(group_key)
+        with self._lock:
+            flight = ctl.in_flight
+            current = flight is not None and flight.plan.epoch == plan.epoch
+            # A plan handed to a runtime ("sent") is audited by its Ack, which may even come first; an
+            # apply the actuator finished itself, or a failure after its plan was closed (ack timeout,
+            # a new lineage), by this line.
+            if actuation.ack is not None or (actuation.status == "failed" and not current):
+                self._record(group, "actuation_finished", epoch=plan.epoch,
+                             actuator=getattr(self.actuator, "name", ""), status=actuation.status,
+                             detail=actuation.detail, seconds=round(seconds, 3), in_flight=current)
+            if actuation.ack is not None:
+                self.on_ack(group, actuation.ack)
+            elif actuation.status == "failed" and current:
+                self._finish_failed(group, ctl, flight, actuation.detail)
+
     # --- confirm ------------------------------------------------------------------------------------
-    def on_ack(self, group: GroupStore, ack: Ack) -> str | None:
-        """An Ack from the runtime; returns a rejection reason when it answers no plan in flight."""
+    def on_ack(self, group: GroupStore, ack: Ack, lineage: int | None = None) -> str | None:
+        """An Ack from the runtime; returns a rejection reason when it answers no plan in flight, or
+        comes from an ended `lineage` (the group's lineage when the Ack arrived; None: the actuator's
+        own). An old runtime's Ack must never move a restarted runtime's epoch fence: its windows
+        count from epoch 0 again and would all be fenced out as stale."""
         ctl = self.control(group.key)
         with self._lock:
             flight = ctl.in_flight
+            if lineage is not None and lineage != group.lineage:
+                group.note_epoch(ack.epoch_in_force)
+                return "stale_epoch"
             if flight is None or ack.plan_epoch != flight.plan.epoch:
                 group.note_epoch(ack.epoch_in_force)
                 return "stale_epoch"
@@ -245,14 +281,20 @@ class Controller:
         self._record(group, "plan_failed", epoch=flight.plan.epoch, layers=list(flight.changed_layers),
                      error=why, epoch_in_force=None if ack is None else ack.epoch_in_force)
 
+    def ack_deadline_seconds(self) -> float:
+        """How long a plan may stay in flight: ack_timeout_seconds, plus the actuator's own bound on an
+        apply when it has one (an SGLang command's timeout: a rolling restart is not a lost Ack)."""
+        return self.cfg.verify.ack_timeout_seconds + float(getattr(self.actuator, "timeout_seconds", 0.0) or 0.0)
+
     def check_timeouts(self, now: float | None = None) -> None:
         now = self.clock() if now is None else now
+        limit = self.ack_deadline_seconds()
         for group in self.store.groups():
             ctl = self.control(group.key)
             with self._lock:
                 flight = ctl.in_flight
-                if flight is not None and now - flight.sent_at > self.cfg.verify.ack_timeout_seconds:
-                    self._finish_failed(group, ctl, flight, f"no Ack within {self.cfg.verify.ack_timeout_seconds:g} s")
+                if flight is not None and now - flight.sent_at > limit:
+                    self._finish_failed(group, ctl, flight, f"no Ack within {limit:g} s")
 
     def abandon(self, group: GroupStore, why: str) -> None:
         """The runtime this group's plans were for is gone (a new lineage, or the group retired): a plan

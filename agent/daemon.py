@@ -2,8 +2,10 @@
 
 Start order: audit log, metric state (+ OpenTelemetry), store and controller, socket, HTTP, jobs,
 then READY=1. Stop order (SIGTERM or SIGINT): STOPPING=1, socket (no new windows), jobs
-(shutdown(wait=True): a running triage or plan finishes), HTTP, OpenTelemetry (final push), audit
-log (fsync). Every per-message path is here; per-window work runs in the triage job.
+(shutdown(wait=True): a running triage or plan finishes), applies (up to ACTUATION_STOP_SECONDS for
+one running; what is left is audited as actuation_unfinished), the Ack thread, HTTP, OpenTelemetry
+(final push), audit log (fsync). Every per-message path is here; per-window work runs in the triage
+job, applies on the actuation worker's threads, Acks and apply outcomes on the Ack thread.
 """
 
 from __future__ import annotations
@@ -26,26 +28,31 @@ from moewatch.telemetry import Window
 from moewatch.triage import diagnose
 from moewatch.wire import Ack, Heartbeat, Hello
 
+from .actuation import ActuationWorker
 from .audit import AuditLog, jsonable
 from .config import AgentConfig
 from .controller import Controller
 from .exporters import make_registry, render
 from .metrics.connections import (CONNECTIONS_CLOSED_TOTAL, CONNECTIONS_REFUSED_TOTAL, FRAMES_RECEIVED_TOTAL,
                                   FRAMES_REJECTED_TOTAL)
-from .metrics.groups import GROUPS_RETIRED_TOTAL, RUNTIME_CONNECTED, RUNTIME_FRAMES_DROPPED_TOTAL, init_group
+from .metrics.groups import (GROUPS_EVICTED_TOTAL, GROUPS_RETIRED_TOTAL, RUNTIME_CONNECTED,
+                             RUNTIME_FRAMES_DROPPED_TOTAL, init_group)
 from .metrics.identity import init_static
 from .metrics.jobs import JOB_ERRORS_TOTAL, JOB_MISFIRES_TOTAL, init_jobs
 from .metrics.state import MetricsState
 from .metrics.windows import EPOCH, record_window
 from .health import Check, Health, HttpSecurity, SystemdNotifier, WebServer, health_body
 from .jobs import Jobs
-from .receiver import Connection, Limits, Receiver, TcpListenError
+from .receiver import CLOSED_REASONS, Connection, Limits, Receiver, TcpListenError
 from .throttle import Throttle
 from .store import GroupStore, Store, TriagedWindow
 
 log = logging.getLogger("moewatch.agent")
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# How long a stopping agent waits for an apply under way (a rolling restart may take minutes: it is
+# left to finish on its own, and audited as unfinished).
+ACTUATION_STOP_SECONDS = 5.0
 
 
 class StartupError(Exception):
@@ -112,6 +119,7 @@ class Daemon:
         self._stopped = False
         self._acks: queue.Queue = queue.Queue(maxsize=1024)
         self._ack_thread: threading.Thread | None = None
+        self.actuation: ActuationWorker | None = None
         self.started_at: float | None = None
         self.sources: dict[str, Source] = {}  # integration name -> its polled Source, where its settings configure one
 
@@ -136,15 +144,17 @@ class Daemon:
             actuator = registry.build_actuator(cfg, self.connection_of)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
-        self.controller = Controller(cfg, self.store, self.metrics, self.audit, actuator)
+        self.actuation = ActuationWorker(actuator, self._on_actuation)
+        self.controller = Controller(cfg, self.store, self.metrics, self.audit, actuator, worker=self.actuation)
         for reason in ("max_connections", "out_of_descriptors", "http_max_connections"):
             self.metrics[CONNECTIONS_REFUSED_TOTAL].inc((reason,), 0)
-        for reason in ("slow_reader", "frame_deadline", "buffer_budget"):
+        for reason in CLOSED_REASONS:
             self.metrics[CONNECTIONS_CLOSED_TOTAL].inc((reason,), 0)
         self.metrics[GROUPS_RETIRED_TOTAL].inc((), 0)
+        self.metrics[GROUPS_EVICTED_TOTAL].inc((), 0)
         limits = Limits(max_connections=cfg.limits.max_connections, frame_deadline=cfg.limits.frame_deadline_seconds,
                         buffer_budget=cfg.limits.buffer_budget_bytes, max_outbox_bytes=cfg.limits.max_outbox_bytes,
-                        log_interval=cfg.log.interval_seconds)
+                        log_interval=cfg.log.interval_seconds, hello_deadline=cfg.limits.hello_deadline_seconds)
         self.receiver = Receiver(cfg.server.socket, cfg.server.socket_mode_bits, cfg.limits.max_frame_bytes,
                                  on_message=self.handle_message, on_reject=self._on_reject,
                                  on_frame=lambda t: self.metrics[FRAMES_RECEIVED_TOTAL].inc((t,)),
@@ -212,10 +222,17 @@ class Daemon:
         self.notifier.stopping()
         if self.receiver is not None:
             self.receiver.stop()
+        self.jobs.shutdown()
+        if self.actuation is not None:
+            for left in self.actuation.stop(ACTUATION_STOP_SECONDS):
+                log.warning("stopping with the apply of epoch %d for %s/%s %s", left.plan.epoch, *left.group_key,
+                            f"still running after {left.seconds:g} s" if left.running else "not started")
+                if self.audit is not None and not quiet:
+                    self.audit.record("actuation_unfinished", model=left.group_key[0], ep_group=left.group_key[1],
+                                      epoch=left.plan.epoch, running=left.running, seconds=left.seconds)
         if self._ack_thread is not None:
             self._acks.put(None)
             self._ack_thread.join(10)
-        self.jobs.shutdown()
         if self.web is not None:
             self.web.stop()
         if self.otel is not None:
@@ -262,15 +279,20 @@ class Daemon:
         group = self.store.get(conn.group) if conn.group else None
         if group is None:
             return "out_of_order"  # anything before a hello
+        if group.connection_id != conn.id:
+            # A connection replaced by a newer hello of its group (frames decoded in the same read as
+            # it was closed): an old runtime's window or Ack must not move the new one's epoch fence.
+            return "replaced"
         if isinstance(msg, Window):
             if (msg.model, msg.ep_group) != group.key:
                 return "mismatch"
             return group.accept_window(msg)
         if isinstance(msg, Ack):
             # Off the receiver's thread: the controller's lock can be held by a planning run, and the
-            # receiver serves every connection.
+            # receiver serves every connection. Tagged with the lineage it answers (read here, in
+            # frame order): a restarted runtime's hello may be handled before this Ack is.
             try:
-                self._acks.put_nowait((conn, group, msg))
+                self._acks.put_nowait((conn, group, msg, group.lineage))
             except queue.Full:
                 return "backlog"
             return None
@@ -289,14 +311,27 @@ class Daemon:
             return "unexpected"  # plans flow agent -> runtime only
         return "unexpected"
 
+    def _on_actuation(self, group_key: tuple[str, str], plan: Plan, actuation, seconds: float) -> None:
+        """An apply's outcome (the actuation worker's thread) joins the runtimes' Acks on the Ack thread."""
+        try:
+            self._acks.put(("actuation", group_key, plan, actuation, seconds), timeout=5)
+        except queue.Full:
+            self.controller.on_actuation(group_key, plan, actuation, seconds)
+
     def _ack_loop(self) -> None:
         while True:
             item = self._acks.get()
             if item is None:
                 return
-            conn, group, ack = item
+            if item[0] == "actuation":
+                try:
+                    self.controller.on_actuation(*item[1:])
+                except Exception:
+                    log.exception("actuation outcome handling failed")
+                continue
+            conn, group, ack, lineage = item
             try:
-                reason = self.controller.on_ack(group, ack)
+                reason = self.controller.on_ack(group, ack, lineage)
             except Exception:
                 log.exception("ack handling failed")
                 reason = "handler_error"
@@ -312,7 +347,7 @@ class Daemon:
             reason, detail = problem
             self._on_reject(conn, reason, f"hello rejected: {detail}", count=False)
             return reason
-        group = self.store.get_or_create(key)
+        group = self._group_for(key)
         if group is None:
             return "too_many_groups"
         init_group(self.metrics, key)
@@ -339,7 +374,7 @@ class Daemon:
         window itself, with the capabilities the source declares, then it passes the same gate as a
         runtime's. Returns the rejection reason."""
         key = (window.model, window.ep_group)
-        group = self.store.get_or_create(key)
+        group = self._group_for(key)
         if group is None:
             reason = "too_many_groups"
         else:
@@ -438,17 +473,38 @@ class Daemon:
                            if t is not None)
                 if now - last < self.cfg.limits.group_retire_seconds:
                     continue
-            self.controller.abandon(group, "group retired: its runtime left")
-            self.store.remove(group.key)
-            self.controller.forget(group.key)
-            self.metrics.remove_group(group.key)
-            self.metrics[GROUPS_RETIRED_TOTAL].inc(())
-            if self.audit is not None:
-                self.audit.record("group_retired", model=group.key[0], ep_group=group.key[1],
-                                  idle_seconds=round(now - last, 3), windows=group.windows_accepted)
+            self._forget_group(group, "retired", idle_seconds=round(now - last, 3))
             log.info("group %s/%s retired: no runtime for %.0f s", *group.key, now - last)
             retired.append(group.key)
         return retired
+
+    def _forget_group(self, group: GroupStore, how: str, **fields: Any) -> None:
+        """Drop a group whose runtime left (`how`: retired or evicted): its plans are abandoned, its
+        store, control state and series go, and it is counted and audited (group_{how})."""
+        self.controller.abandon(group, f"group {how}: its runtime left")
+        self.store.remove(group.key)
+        self.controller.forget(group.key)
+        self.metrics.remove_group(group.key)
+        self.metrics[GROUPS_EVICTED_TOTAL if how == "evicted" else GROUPS_RETIRED_TOTAL].inc(())
+        if self.audit is not None:
+            self.audit.record(f"group_{how}", model=group.key[0], ep_group=group.key[1],
+                              windows=group.windows_accepted, **fields)
+
+    def _group_for(self, key: tuple[str, str]) -> GroupStore | None:
+        """The group's store, created if new. At max_groups a live runtime never waits for gone ones:
+        the group disconnected the longest is evicted to make room; None only when every group kept
+        has a runtime connected."""
+        group = self.store.get_or_create(key)
+        while group is None:
+            victim = self.store.longest_disconnected()
+            if victim is None:
+                return None
+            left = victim.left_at
+            self._forget_group(victim, "evicted", for_group=list(key),
+                               disconnected_seconds=None if left is None else round(time.time() - left, 3))
+            log.info("group %s/%s evicted for %s/%s: max_groups %d reached", *victim.key, *key, self.cfg.limits.max_groups)
+            group = self.store.get_or_create(key)
+        return group
 
     def watchdog_job(self) -> None:
         ok, checks = self.health.live()

@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import os
+import selectors
 import socket
 import ssl
 import threading
@@ -161,13 +162,129 @@ class HttpSecurity:
         return cls(tls, authorization)
 
 
+class IdleConnections:
+    """Accepted HTTP connections that have not sent a byte yet. They hold a descriptor, never a thread
+    nor a serving slot, so idle peers cannot keep a scrape out: the first byte hands a connection to
+    `dispatch`; one silent for `idle_seconds` is closed, and at `capacity` the oldest waiting one is
+    closed to make room for the newcomer (a new scrape always gets in)."""
+
+    def __init__(self, capacity: int, idle_seconds: float, dispatch: Callable[[socket.socket, object], None],
+                 log_interval: float = 60.0):
+        from .throttle import Throttle
+
+        self.capacity = capacity
+        self.idle_seconds = idle_seconds
+        self.dispatch = dispatch
+        self._throttle = Throttle(log_interval)
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._arrived: list[tuple[socket.socket, object, float]] = []  # handed over by the accepting thread
+        self._waiting: dict[socket.socket, float] = {}  # loop thread only; insertion order is age order
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="moewatch-http-idle", daemon=True)
+        self.evicted = 0  # waiting connections closed to make room
+        self._pressure = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, request: socket.socket, client_address: object) -> None:
+        with self._lock:
+            self._arrived.append((request, client_address, time.monotonic()))
+        self._wake()
+
+    def add_pressure(self) -> None:
+        """The process is out of descriptors: the oldest waiting connection gives its own back."""
+        with self._lock:
+            self._pressure = True
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # already woken, or stopping
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            for key, _ in self._selector.select(0.25):
+                if key.data is None:
+                    try:
+                        while self._wake_r.recv(4096):
+                            pass
+                    except OSError:
+                        pass
+                    continue
+                sock = key.fileobj
+                self._selector.unregister(sock)
+                self._waiting.pop(sock, None)
+                self.dispatch(sock, key.data)
+            with self._lock:
+                arrived, self._arrived = self._arrived, []
+                pressure, self._pressure = self._pressure, False
+            if pressure:
+                self.drop_oldest()
+            for sock, address, since in arrived:
+                if len(self._waiting) >= self.capacity:
+                    self.drop_oldest()
+                self._waiting[sock] = since
+                self._selector.register(sock, selectors.EVENT_READ, address)
+            now = time.monotonic()
+            for sock, since in list(self._waiting.items()):
+                if now - since <= self.idle_seconds:
+                    break  # the rest are younger
+                self._close(sock)
+
+    def drop_oldest(self) -> None:
+        """Close the connection waiting the longest (loop thread only)."""
+        if not self._waiting:
+            return
+        self.evicted += 1
+        if self._throttle("evicted") is not None:
+            log.info("http: %d idle connections open: closing the oldest (4 x max_http_connections wait at most)",
+                     len(self._waiting))
+        self._close(next(iter(self._waiting)))
+
+    def _close(self, sock: socket.socket) -> None:
+        self._waiting.pop(sock, None)
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for sock in list(self._waiting):
+            self._close(sock)
+        with self._lock:
+            arrived, self._arrived = self._arrived, []
+        for sock, _, _ in arrived:
+            sock.close()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
 class WebServer:
     """A threaded HTTP server for a fixed set of GET routes (path -> handler).
 
-    Threads, bounded: at most `max_connections` are served at once (the rest are closed at once and
-    counted), and a connection silent for `idle_seconds` is closed, so idle peers cannot pile up
-    threads. Scrapes are a few per minute; a selector-based HTTP parser is not worth its code here.
-    TLS handshakes run on the connection's thread, never on the accepting one."""
+    Threads, bounded: a connection gets a thread and a serving slot only once its request starts to
+    arrive (until then it waits in IdleConnections, at most 4 x `max_connections` of them, the oldest
+    closed first); at most `max_connections` are served at once (the rest are closed at once and
+    counted), and a connection silent for `idle_seconds` is closed. Scrapes are a few per minute; a
+    selector-based HTTP parser is not worth its code here. TLS handshakes run on the connection's
+    thread, never on the accepting one."""
 
     def __init__(self, host: str, port: int, routes: dict[str, Route], *, security: HttpSecurity | None = None,
                  max_connections: int = 32, idle_seconds: float = 10.0,
@@ -220,19 +337,25 @@ class WebServer:
             address_family = family
             daemon_threads = True
             block_on_close = False
+            idle: IdleConnections
 
             def get_request(self):
                 try:
                     return super().get_request()
                 except OSError as exc:
                     if exc.errno in (errno.EMFILE, errno.ENFILE):
-                        # Out of descriptors: say so (throttled) and back off instead of spinning.
+                        # Out of descriptors: say so (throttled), make an idle peer give its descriptor
+                        # back, and back off instead of spinning.
+                        self.idle.add_pressure()
                         if throttle("emfile") is not None:
                             log.error("http: out of file descriptors: %s", exc.strerror)
                         time.sleep(0.1)
                     raise
 
             def process_request(self, request, client_address):
+                self.idle.add(request, client_address)  # a thread only once the request arrives
+
+            def dispatch(self, request, client_address):
                 if not slots.acquire(blocking=False):
                     refused()
                     if throttle("refused") is not None:
@@ -261,6 +384,7 @@ class WebServer:
                     slots.release()
 
         self.server = Server((host, port), Handler)
+        self.server.idle = IdleConnections(4 * max_connections, idle_seconds, self.server.dispatch, log_interval)
         self._thread: threading.Thread | None = None
 
     @property
@@ -268,12 +392,14 @@ class WebServer:
         return int(self.server.server_address[1])
 
     def start(self) -> None:
+        self.server.idle.start()
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.25},
                                         name="moewatch-http", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self.server.shutdown()
+        self.server.idle.stop()
         self.server.server_close()
         if self._thread is not None:
             self._thread.join(5)

@@ -7,9 +7,14 @@ thread and must stay short (they queue work, the jobs do it). A fatal framing er
 oversized frame, stream cut inside a frame) closes that connection only.
 
 What a peer cannot do to the agent (Limits):
-- open more than `max_connections` at once: the extra ones are accepted and closed at once, counted
-  (moewatch_connections_refused_total{reason="max_connections"}); the limit is also kept under the
+- open more than `max_connections` at once: at the limit a new connection first takes the place of
+  the oldest one that has not said hello (closed, counted as
+  moewatch_connections_closed_total{reason="hello_evicted"}); only a limit made of connections that
+  did say hello refuses the new one (accepted and closed at once, counted as
+  moewatch_connections_refused_total{reason="max_connections"}); the limit is also kept under the
   process's descriptor limit so the HTTP server always has descriptors left for /healthz;
+- hold a connection without a hello for more than `hello_deadline` seconds (closed, counted as
+  moewatch_connections_closed_total{reason="hello_deadline"}): a silent peer keeps no slot;
 - take more than `frame_deadline` seconds over a frame once its first byte arrived (closed, counted
   as frames_rejected_total{reason="frame_deadline"});
 - make the agent hold more than `buffer_budget` bytes of partial frames across all connections: the
@@ -51,6 +56,9 @@ from .throttle import Throttle
 
 log = logging.getLogger("moewatch.agent.receiver")
 
+# Why the agent closes a peer's connection (moewatch_connections_closed_total{reason}).
+CLOSED_REASONS = ("slow_reader", "frame_deadline", "buffer_budget", "hello_deadline", "hello_evicted")
+
 # Descriptors kept free for everything but peers (HTTP scrapes and probes, the audit log, imports).
 FD_RESERVE = 32
 _FD_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -81,6 +89,7 @@ class Limits:
     buffer_budget: int = 256 * 1024 * 1024
     max_outbox_bytes: int = 16 * 1024 * 1024
     log_interval: float = 60.0
+    hello_deadline: float = 10.0
 
 
 class Connection:
@@ -107,7 +116,8 @@ class Connection:
         self.frame_started: float | None = None
         self.pending_seen = 0  # this connection's share of the receiver's buffered bytes
         self.group = None  # set by the daemon after a hello
-        self.hello = None
+        self.hello = None  # set by the daemon once the peer said hello; until then the peer is on probation
+        self.opened_at = time.monotonic()
 
     def send(self, message: wire.Message, timeout: float | None = None) -> None:
         """Frame and queue; never blocks. Raises ConnectionError when the connection is closed or its
@@ -373,7 +383,7 @@ class Receiver:
                 elif not self._stopping.is_set():
                     self._log_throttled("accept", logging.WARNING, "accept failed: %s", exc)
                 return
-            if len(self._connections) >= self.max_connections:
+            if len(self._connections) >= self.max_connections and not self._evict_one_without_hello():
                 sock.close()
                 self.on_refused("max_connections")
                 self._log_throttled("refused:max_connections", logging.WARNING,
@@ -384,6 +394,17 @@ class Receiver:
             with self._lock:
                 self._connections[conn.id] = conn
             self._selector.register(sock, selectors.EVENT_READ, ("conn", conn))
+
+    def _evict_one_without_hello(self) -> bool:
+        """Make room at max_connections: release the oldest connection that has not said hello (loop
+        thread only). False when every connection did say hello."""
+        waiting = [c for c in self.connections() if c.hello is None]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda c: c.opened_at)
+        oldest.close("hello_evicted")
+        self._release(oldest)
+        return True
 
     def _out_of_descriptors(self, listener: socket.socket, exc: OSError) -> None:
         """EMFILE: refuse the pending peer with the spare descriptor, then pause accepting a moment."""
@@ -476,6 +497,8 @@ class Receiver:
                     conn.close("frame_deadline")
                 elif conn.outbox_since is not None and now - conn.outbox_since > self.limits.frame_deadline:
                     conn.close("slow_reader")
+                elif conn.hello is None and now - conn.opened_at > self.limits.hello_deadline:
+                    conn.close("hello_deadline")
                 elif conn.wants_write():
                     self._write(conn)
             if conn.closed.is_set():
@@ -505,7 +528,7 @@ class Receiver:
         except OSError:
             pass
         reason = conn.close_reason or "closed"
-        if reason in ("slow_reader", "frame_deadline", "buffer_budget"):
+        if reason in CLOSED_REASONS:
             self.on_closed(reason)
             self._log_throttled(f"closed:{reason}", logging.WARNING, "connection %d closed: %s", conn.id, reason)
         try:

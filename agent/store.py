@@ -62,7 +62,10 @@ class GroupStore:
         self.history = deque()
         # Bounded too: while the triage job is this far behind, new windows are refused ("backlog").
         self.untriaged = deque()
-        self._old_lineage: set[int] = set()  # ids of untriaged windows sent by a previous lineage
+        # The lineage each accepted window was sent in, until the triage adds it (stamped at accept,
+        # so a window taken for triage before a restart's hello and added after it is still the old
+        # runtime's; an entry left by a failed triage is overwritten when its id is reused).
+        self._sent_in: dict[int, int] = {}
 
     # --- connection lifecycle -----------------------------------------------------------------
     def is_new_lineage(self, hello: Hello) -> bool:
@@ -84,7 +87,6 @@ class GroupStore:
                 self.lineage += 1
                 self.history.clear()
                 self.history_nbytes = 0
-                self._old_lineage.update(id(w) for w in self.untriaged)
                 # The count is per runtime process: a reconnect of the same one continues it.
                 self.runtime_frames_dropped = 0
             self.hello = hello
@@ -137,6 +139,7 @@ class GroupStore:
             self.epoch_in_force = w.epoch
             self.max_epoch_seen = max(self.max_epoch_seen, w.epoch)
             self.untriaged.append(w)
+            self._sent_in[id(w)] = self.lineage
             self.untriaged_nbytes += w.nbytes
             self.windows_accepted += 1
             self.last_window_received = time.time() if now is None else now
@@ -153,8 +156,7 @@ class GroupStore:
         """Append to the history, then drop the oldest windows past history_windows or history_bytes.
         False (not kept) when the window belongs to a lineage that has ended."""
         with self.lock:
-            if id(item.window) in self._old_lineage:
-                self._old_lineage.discard(id(item.window))
+            if self._sent_in.pop(id(item.window), self.lineage) != self.lineage:
                 return False
             self.history.append(item)
             self.history_nbytes += item.window.nbytes
@@ -214,7 +216,8 @@ class GroupStore:
 
 
 class Store:
-    """Every group the agent has heard from, bounded by max_groups."""
+    """Every group the agent has heard from, bounded by max_groups (the daemon makes room for a live
+    runtime by evicting `longest_disconnected`)."""
 
     def __init__(self, history_windows: int, max_groups: int, history_bytes: int = 64 * 1024 * 1024):
         self.history_windows = history_windows
@@ -232,6 +235,15 @@ class Store:
                     return None
                 group = self._groups[key] = GroupStore(key, self.history_windows, self.history_bytes)
             return group
+
+    def longest_disconnected(self) -> GroupStore | None:
+        """The group whose runtime left first (the one to make room with when the store is full), or
+        None when every group has a runtime connected."""
+        with self._lock:
+            groups = list(self._groups.values())
+        gone = [g for g in groups if not g.connected]
+        # A group that never completed a hello (left_at None) has the least to lose.
+        return min(gone, key=lambda g: -1.0 if g.left_at is None else g.left_at, default=None)
 
     def remove(self, key: GroupKey) -> GroupStore | None:
         with self._lock:

@@ -15,6 +15,7 @@ CONNECTIONS_REFUSED_TOTAL = Counter(
     "connections refused (http_max_connections).")
 CONNECTIONS_CLOSED_TOTAL = Counter(
     "moewatch_connections_closed_total", ("reason",),
-    "Runtime connections the agent closed on a peer (slow_reader, frame_deadline, buffer_budget).")
+    "Runtime connections the agent closed on a peer (slow_reader, frame_deadline, buffer_budget, "
+    "hello_deadline, hello_evicted).")
 
 FAMILIES = families_of(globals())

@@ -16,6 +16,9 @@ RUNTIME_FRAMES_DROPPED_TOTAL = Counter(
     "moewatch_runtime_frames_dropped_total", GROUP,
     "Frames the runtime's probe dropped because the agent was absent or slow.")
 GROUPS_RETIRED_TOTAL = Counter("moewatch_groups_retired_total", (), "EP groups forgotten after their runtime left.")
+GROUPS_EVICTED_TOTAL = Counter(
+    "moewatch_groups_evicted_total", (),
+    "EP groups whose runtime had left, forgotten at max_groups to make room for a new group.")
 
 FAMILIES = families_of(globals())
 

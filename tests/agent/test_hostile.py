@@ -92,18 +92,27 @@ def test_a_group_whose_plan_job_fails_does_not_stop_the_others(start_agent, help
 
 @pytest.mark.slow
 def test_idle_connections_cost_no_threads_and_the_limit_refuses_and_counts(start_agent, helpers):
-    daemon = start_agent(limits={"max_connections": 150})
-    before = threading.active_count()
+    daemon = start_agent(limits={"max_connections": 150, "max_groups": 200})
+    # Threads other than the scheduler's pool (it grows with the jobs' work, here 150 groups, not with peers).
+    threads = lambda: sum(not t.name.startswith("ThreadPoolExecutor") for t in threading.enumerate())  # noqa: E731
+    before = threads()
     socks = []
-    for _ in range(200):
+    for i in range(200):  # each says hello (a silent one would give way to the next: test_peer_limits.py)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(daemon.cfg.server.socket)
+        try:
+            s.sendall(wire.encode(wire.Hello(runtime="idle", model=f"idle{i}", ep_group="g", world_size=W,
+                                             num_layers=L, num_experts=E, num_slots=P)))
+        except OSError:
+            pass  # refused at the limit
         socks.append(s)
+        if i == 149:  # the limit is full of peers that said hello
+            assert helpers.wait_for(lambda: len(daemon.store.groups()) == 150)
     try:
         refused = lambda: daemon.metrics.get("moewatch_connections_refused_total", ("max_connections",))  # noqa: E731
         assert helpers.wait_for(lambda: refused() == 50)
         assert len(daemon.receiver.connections()) == 150
-        assert threading.active_count() <= before + 1
+        assert threads() <= before + 1
         # A runtime still gets in once others leave, and is served.
         for s in socks[:10]:
             s.close()

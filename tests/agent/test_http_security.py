@@ -75,16 +75,29 @@ def test_tls_files_that_do_not_load_name_the_setting(short_tmp):
 
 
 def test_http_connections_are_bounded_and_idle_ones_closed(start_agent, helpers):
-    daemon = start_agent(server={"max_http_connections": 2, "http_idle_seconds": 0.5})
-    idle = [socket.create_connection(("127.0.0.1", daemon.web.port)) for _ in range(5)]
+    daemon = start_agent(server={"max_http_connections": 2, "http_idle_seconds": 3})
     refused = lambda: daemon.metrics.get("moewatch_connections_refused_total", ("http_max_connections",))  # noqa
-    assert helpers.wait_for(lambda: refused() == 3)
-    # The two served idle connections are closed after http_idle_seconds; /healthz answers again.
+    # Requests under way hold the serving slots: a third one is refused and counted.
+    started = []
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", daemon.web.port))
+        s.sendall(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
+        started.append(s)
+    assert helpers.wait_for(lambda: refused() == 1)
+    # Connections that send nothing hold no slot: at most 4 x max_http_connections wait, the oldest
+    # give way, and /healthz is answered all along.
+    idle = [socket.create_connection(("127.0.0.1", daemon.web.port)) for _ in range(10)]
+    assert helpers.wait_for(lambda: daemon.web.server.idle.evicted == 2, timeout=2)
     for s in idle[:2]:
+        s.settimeout(5)
+        assert s.recv(1024) == b""
+    # The served ones and the idle ones are closed after http_idle_seconds; /healthz answers again.
+    for s in started + idle:
         s.settimeout(5)
         assert s.recv(1024) is not None
     assert helpers.wait_for(lambda: get(daemon.http_url + "/healthz")[0] == 200)
-    for s in idle:
+    assert refused() == 1
+    for s in started + idle:
         s.close()
 
 

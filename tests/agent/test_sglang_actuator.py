@@ -54,6 +54,8 @@ def test_plan_becomes_a_file_sglang_loads_and_the_command_runs_once(start_agent,
     feed(rt, helpers, load, old, 2, 1000.0)
     assert helpers.wait_for(lambda: len(group.history) == 2)
     daemon.controller.plan_tick()
+    # The apply runs off the controller's lock; its Ack puts the plan under verification.
+    assert helpers.wait_for(lambda: daemon.controller.control(group.key).verifying is not None)
     daemon.controller.plan_tick()  # the plan is under verification: nothing new is applied
     assert marker.read_text().split() == ["1"]
     written = json.loads(location.read_text())
