@@ -7,7 +7,10 @@ Inactive unless MOEWATCH_SOCKET or MOEWATCH_WINDOW_DIR is set (common.EngineSett
   router, bound once at construction and never unbound. vLLM calls it with the logical top-k ids
   [N, k] before any EPLB mapping; it adds them into preallocated device counters (PairCounter), a
   pure tensor op that torch.compile and CUDA graphs keep. Only the reporting rank binds: TP rank 0
-  of its group (every TP rank routes every token, so one rank's counts are the group's).
+  of its group (every TP rank routes every token, so one rank's counts are the group's). A router
+  has one capture slot, which vLLM's own routed-experts capture (enable_return_routed_experts) also
+  binds, after the model is built: the slot is shared (`_share_capture_slot`), so moewatch's counter
+  and any other capture function both run, whichever was bound first.
 - the model runner's `execute_model`: a step with scheduled tokens arms the pair weights for its
   real tokens before the forward and disarms them after, so warm-up, profiling, compile and dummy
   runs (which never pass through here with tokens) and padding count nothing; the window is flushed
@@ -133,11 +136,39 @@ def _bind(runner) -> None:
     eplb = getattr(router, "eplb_state", None)
     num_slots = runner.moe_config.num_experts if eplb is not None else 0
     counter = rec.counter(layer_id, num_slots)
-    router.set_capture_fn(counter.add)
+    _share_capture_slot(router, counter.add)
     if eplb is not None:
         _count_slots(router, counter, rec)
     if _state.get("time_layers"):
         _time_layer(runner, layer_id, rec)
+
+
+def _share_capture_slot(router, count) -> None:
+    """Make the router's one capture slot run `count` and whatever else is bound there, now or later.
+
+    What is bound already is composed with `count`; the router's `set_capture_fn` is replaced, on this
+    instance only, by one that composes what a later caller binds (vLLM's routed-experts capturer
+    binds after the model is built) instead of dropping `count`; binding None leaves `count` alone.
+    The composition is built at bind time, so a forward calls two functions and allocates nothing."""
+    bind = router.set_capture_fn  # the class's method, bound to this router
+
+    def composed(other):
+        other = getattr(other, "_moewatch_other", other)  # a caller re-binding what it read back
+        if other is None or other == count:
+            return count
+
+        def capture(topk_ids):
+            count(topk_ids)
+            other(topk_ids)
+
+        capture._moewatch_other = other
+        return capture
+
+    def set_capture_fn(capture_fn) -> None:
+        bind(composed(capture_fn))
+
+    set_capture_fn(getattr(router, "capture_fn", None))
+    router.set_capture_fn = set_capture_fn
 
 
 def _count_slots(router, counter, rec) -> None:
