@@ -12,6 +12,7 @@ on a tiny model, two rounds."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -279,6 +280,32 @@ print(loaded, vllm_plugin._state['registered'], 'vllm.model_executor.layers.fuse
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEWATCH_")}
     proc = subprocess.run([str(VLLM_PYTHON), "-c", probe], env=env, capture_output=True, text=True, timeout=180)
     assert proc.stdout.split()[-3:] == ["True", "False", "False"], proc.stderr[-2000:]
+
+
+BENCH_VLLM_FIGURES = ("overhead_ratio", "overhead_ratio_cpu_time", "tokens_per_second_inactive",
+                      "tokens_per_second_active", "plugin_seconds_per_step")
+
+
+@pytest.mark.slow
+def test_bench_vllm_runs_two_rounds_on_a_tiny_model_and_reports_finite_positive_figures():
+    assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOEWATCH_", "VLLM_"))}
+    proc = subprocess.run([sys.executable, "-m", "moewatch.cli", "bench", "vllm", "--python", str(VLLM_PYTHON),
+                           "--rounds", "2", "--prompts", "4", "--prompt-len", "8", "--max-tokens", "4", "--pause", "0",
+                           "--json"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    assert set(BENCH_VLLM_FIGURES) | {"rounds", "prompts", "prompt_len", "max_tokens", "pause_seconds", "mode",
+                                      "windows_written", "tokens_per_round", "per_round_tokens_per_second"} <= set(out)
+    for key in BENCH_VLLM_FIGURES:
+        assert isinstance(out[key], float) and math.isfinite(out[key]) and out[key] > 0, (key, out[key])
+    per_round = out["per_round_tokens_per_second"]
+    assert set(per_round) == {"inactive", "active"}
+    assert all(len(v) == 2 and all(math.isfinite(x) and x > 0 for x in v) for v in per_round.values()), per_round
+    assert (out["rounds"], out["prompts"], out["prompt_len"], out["max_tokens"], out["mode"]) == (2, 4, 8, 4, "eager")
+    # Every prompt and every generated token, in each round; the active engine wrote its windows.
+    assert out["tokens_per_round"] == 4 * (8 + 4)
+    assert out["windows_written"] >= 1
 
 
 def test_bench_vllm_refuses_a_missing_environment_in_one_line():
