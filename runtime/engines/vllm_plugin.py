@@ -11,10 +11,11 @@ Inactive unless MOEWATCH_SOCKET or MOEWATCH_WINDOW_DIR is set (common.EngineSett
   has one capture slot, which vLLM's own routed-experts capture (enable_return_routed_experts) also
   binds, after the model is built: the slot is shared (`_share_capture_slot`), so moewatch's counter
   and any other capture function both run, whichever was bound first.
-- the model runner's `execute_model`: a step with scheduled tokens arms the pair weights for its
-  real tokens before the forward and disarms them after, so warm-up, profiling, compile and dummy
-  runs (which never pass through here with tokens) and padding count nothing; the window is flushed
-  every MOEWATCH_WINDOW_STEPS steps or MOEWATCH_WINDOW_SECONDS.
+- the model runner's `execute_model` (V1's, and V2's where this vLLM has it: enable_return_routed_experts
+  needs V2): a step with scheduled tokens arms the pair weights for its real tokens before the
+  forward and disarms them after, so warm-up, profiling, compile and dummy runs (which pass through
+  here without tokens, or as V2's dummy_run) and padding count nothing; the window is flushed every
+  MOEWATCH_WINDOW_STEPS steps or MOEWATCH_WINDOW_SECONDS.
 - the worker's `shutdown` (and process exit): the last, partial window is flushed.
 
 Measured: pairs per layer and logical expert for computed tokens (prefix-cache hits are not
@@ -235,21 +236,32 @@ def _wrap_runner_constructor() -> None:
 def _wrap_execute_model() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    def make(execute):
-        def execute_model(self, scheduler_output, *args, **kwargs):
-            rec = _state["recorder"]
-            tokens = scheduler_output.total_num_scheduled_tokens if rec is not None else 0
-            if tokens <= 0:
-                return execute(self, scheduler_output, *args, **kwargs)
-            _state["model_runner"] = self
-            rec.begin_step(tokens)
-            try:
-                return execute(self, scheduler_output, *args, **kwargs)
-            finally:
-                rec.end_step()
-        return execute_model
+    _wrap_once(GPUModelRunner, "execute_model", lambda execute: _counting_steps(execute, dummy_runs=False))
+    try:  # Model Runner V2 (what enable_return_routed_experts needs): its dummy runs pass through here
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+    except ImportError:  # a build without it: the V1 runner is the only one
+        return
+    _wrap_once(GPUModelRunnerV2, "execute_model", lambda execute: _counting_steps(execute, dummy_runs=True))
 
-    _wrap_once(GPUModelRunner, "execute_model", make)
+
+def _counting_steps(execute, *, dummy_runs: bool):
+    """execute_model that makes a step of each call with scheduled tokens, arming the pair weights for
+    them. With `dummy_runs`, the runner also calls it for warm-up and profiling (dummy_run=True, its
+    third parameter), which counts nothing."""
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        rec = _state["recorder"]
+        tokens = scheduler_output.total_num_scheduled_tokens if rec is not None else 0
+        if dummy_runs and kwargs.get("dummy_run", len(args) > 1 and args[1]):
+            tokens = 0
+        if tokens <= 0:
+            return execute(self, scheduler_output, *args, **kwargs)
+        _state["model_runner"] = self
+        rec.begin_step(tokens)
+        try:
+            return execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            rec.end_step()
+    return execute_model
 
 
 def _wrap_shutdown() -> None:

@@ -205,6 +205,9 @@ def test_compiled_in_process_counts_equal_transformers_beside_vllms_own_capture(
     assert counter["num_models_seen"] == 1, counter
     modules = result["compiled_modules"]
     assert modules and all(m == {"compiled": True, "has_compiled_fn": True} for m in modules.values()), modules
+    # enable_return_routed_experts needs Model Runner V2 (not runnable on this CPU build): its steps
+    # are observed too, besides V1's, which counted the steps above.
+    assert result["observed_runners"] == {"v1": True, "v2": True}
 
 
 class OneSlotRouter:
@@ -280,6 +283,43 @@ print(loaded, vllm_plugin._state['registered'], 'vllm.model_executor.layers.fuse
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEWATCH_")}
     proc = subprocess.run([str(VLLM_PYTHON), "-c", probe], env=env, capture_output=True, text=True, timeout=180)
     assert proc.stdout.split()[-3:] == ["True", "False", "False"], proc.stderr[-2000:]
+
+
+class StepLog:
+    """Stands in for the recorder: the steps the plugin began and ended."""
+
+    def __init__(self):
+        self.steps: list = []
+
+    def begin_step(self, tokens: int) -> None:
+        self.steps.append(("begin", tokens))
+
+    def end_step(self) -> None:
+        self.steps.append(("end",))
+
+
+def test_a_v2_runners_dummy_runs_are_no_steps_and_its_real_steps_are(monkeypatch):
+    from types import SimpleNamespace
+
+    from moewatch.runtime.engines import vllm_plugin
+
+    log = StepLog()
+    monkeypatch.setitem(vllm_plugin._state, "recorder", log)
+    calls = []
+    v2 = vllm_plugin._counting_steps(lambda self, out, *a, **kw: calls.append(out.total_num_scheduled_tokens),
+                                     dummy_runs=True)
+    tokens = SimpleNamespace
+    v2("runner", tokens(total_num_scheduled_tokens=8), dummy_run=True)  # warm-up, profiling
+    v2("runner", tokens(total_num_scheduled_tokens=8), None, True)  # dummy_run passed by position
+    v2("runner", tokens(total_num_scheduled_tokens=0))
+    assert log.steps == [] and calls == [8, 8, 0]
+    v2("runner", tokens(total_num_scheduled_tokens=5))
+    v2("runner", tokens(total_num_scheduled_tokens=3), None, False)
+    assert log.steps == [("begin", 5), ("end",), ("begin", 3), ("end",)] and calls == [8, 8, 0, 5, 3]
+    # V1's second parameter is the intermediate tensors, not a dummy flag: a real step all the same.
+    v1 = vllm_plugin._counting_steps(lambda self, out, *a, **kw: None, dummy_runs=False)
+    v1("runner", tokens(total_num_scheduled_tokens=4), object())
+    assert log.steps[-2:] == [("begin", 4), ("end",)]
 
 
 BENCH_VLLM_FIGURES = ("overhead_ratio", "overhead_ratio_cpu_time", "tokens_per_second_inactive",

@@ -108,6 +108,12 @@ def main() -> None:
         result["compiled_modules"] = compiled_modules
     if args.vllm_capture:
         result["vllm_capture_steps"] = captured_steps
+    # Which model runners' steps the plugin observes: V1's (what runs here) and V2's.
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    result["observed_runners"] = {name: getattr(cls.execute_model, "_moewatch", False)
+                                  for name, cls in (("v1", GPUModelRunner), ("v2", GPUModelRunnerV2))}
     with open(args.out, "w") as f:
         json.dump(result, f)
 
