@@ -7,11 +7,15 @@ Inactive unless MOEWATCH_SOCKET or MOEWATCH_WINDOW_DIR is set (common.EngineSett
   router, bound once at construction and never unbound. vLLM calls it with the logical top-k ids
   [N, k] before any EPLB mapping; it adds them into preallocated device counters (PairCounter), a
   pure tensor op that torch.compile and CUDA graphs keep. Only the reporting rank binds: TP rank 0
-  of its group (every TP rank routes every token, so one rank's counts are the group's).
-- the model runner's `execute_model`: a step with scheduled tokens arms the pair weights for its
-  real tokens before the forward and disarms them after, so warm-up, profiling, compile and dummy
-  runs (which never pass through here with tokens) and padding count nothing; the window is flushed
-  every MOEWATCH_WINDOW_STEPS steps or MOEWATCH_WINDOW_SECONDS.
+  of its group (every TP rank routes every token, so one rank's counts are the group's). A router
+  has one capture slot, which vLLM's own routed-experts capture (enable_return_routed_experts) also
+  binds, after the model is built: the slot is shared (`_share_capture_slot`), so moewatch's counter
+  and any other capture function both run, whichever was bound first.
+- the model runner's `execute_model` (V1's, and V2's where this vLLM has it: enable_return_routed_experts
+  needs V2): a step with scheduled tokens arms the pair weights for its real tokens before the
+  forward and disarms them after, so warm-up, profiling, compile and dummy runs (which pass through
+  here without tokens, or as V2's dummy_run) and padding count nothing; the window is flushed every
+  MOEWATCH_WINDOW_STEPS steps or MOEWATCH_WINDOW_SECONDS.
 - the worker's `shutdown` (and process exit): the last, partial window is flushed.
 
 Measured: pairs per layer and logical expert for computed tokens (prefix-cache hits are not
@@ -133,11 +137,39 @@ def _bind(runner) -> None:
     eplb = getattr(router, "eplb_state", None)
     num_slots = runner.moe_config.num_experts if eplb is not None else 0
     counter = rec.counter(layer_id, num_slots)
-    router.set_capture_fn(counter.add)
+    _share_capture_slot(router, counter.add)
     if eplb is not None:
         _count_slots(router, counter, rec)
     if _state.get("time_layers"):
         _time_layer(runner, layer_id, rec)
+
+
+def _share_capture_slot(router, count) -> None:
+    """Make the router's one capture slot run `count` and whatever else is bound there, now or later.
+
+    What is bound already is composed with `count`; the router's `set_capture_fn` is replaced, on this
+    instance only, by one that composes what a later caller binds (vLLM's routed-experts capturer
+    binds after the model is built) instead of dropping `count`; binding None leaves `count` alone.
+    The composition is built at bind time, so a forward calls two functions and allocates nothing."""
+    bind = router.set_capture_fn  # the class's method, bound to this router
+
+    def composed(other):
+        other = getattr(other, "_moewatch_other", other)  # a caller re-binding what it read back
+        if other is None or other == count:
+            return count
+
+        def capture(topk_ids):
+            count(topk_ids)
+            other(topk_ids)
+
+        capture._moewatch_other = other
+        return capture
+
+    def set_capture_fn(capture_fn) -> None:
+        bind(composed(capture_fn))
+
+    set_capture_fn(getattr(router, "capture_fn", None))
+    router.set_capture_fn = set_capture_fn
 
 
 def _count_slots(router, counter, rec) -> None:
@@ -204,21 +236,32 @@ def _wrap_runner_constructor() -> None:
 def _wrap_execute_model() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    def make(execute):
-        def execute_model(self, scheduler_output, *args, **kwargs):
-            rec = _state["recorder"]
-            tokens = scheduler_output.total_num_scheduled_tokens if rec is not None else 0
-            if tokens <= 0:
-                return execute(self, scheduler_output, *args, **kwargs)
-            _state["model_runner"] = self
-            rec.begin_step(tokens)
-            try:
-                return execute(self, scheduler_output, *args, **kwargs)
-            finally:
-                rec.end_step()
-        return execute_model
+    _wrap_once(GPUModelRunner, "execute_model", lambda execute: _counting_steps(execute, dummy_runs=False))
+    try:  # Model Runner V2 (what enable_return_routed_experts needs): its dummy runs pass through here
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+    except ImportError:  # a build without it: the V1 runner is the only one
+        return
+    _wrap_once(GPUModelRunnerV2, "execute_model", lambda execute: _counting_steps(execute, dummy_runs=True))
 
-    _wrap_once(GPUModelRunner, "execute_model", make)
+
+def _counting_steps(execute, *, dummy_runs: bool):
+    """execute_model that makes a step of each call with scheduled tokens, arming the pair weights for
+    them. With `dummy_runs`, the runner also calls it for warm-up and profiling (dummy_run=True, its
+    third parameter), which counts nothing."""
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        rec = _state["recorder"]
+        tokens = scheduler_output.total_num_scheduled_tokens if rec is not None else 0
+        if dummy_runs and kwargs.get("dummy_run", len(args) > 1 and args[1]):
+            tokens = 0
+        if tokens <= 0:
+            return execute(self, scheduler_output, *args, **kwargs)
+        _state["model_runner"] = self
+        rec.begin_step(tokens)
+        try:
+            return execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            rec.end_step()
+    return execute_model
 
 
 def _wrap_shutdown() -> None:

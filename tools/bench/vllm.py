@@ -106,8 +106,11 @@ def _worker(model: str, prompts_path: str, max_tokens: int, compiled: bool) -> N
 
 
 def _start(python: str, args: list[str], env: dict) -> subprocess.Popen:
-    proc = subprocess.Popen([python, "-m", "moewatch.tools.bench.vllm", *args], env=env, text=True,
+    return subprocess.Popen([python, "-m", "moewatch.tools.bench.vllm", *args], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def _wait_ready(proc: subprocess.Popen, python: str) -> subprocess.Popen:
     for line in proc.stdout:
         if line.strip() == "ready":
             return proc
@@ -158,8 +161,19 @@ def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_l
         args = ["--worker", model, str(prompts_path), str(max_tokens)] + (["--compiled"] if compiled else [])
         windows = Path(tmp) / "windows"
         click.echo("starting two engines (plugin inactive, active) ...", err=True)
-        off = _start(python, args, base)
-        on = _start(python, args, {**base, "MOEWATCH_WINDOW_DIR": str(windows), "MOEWATCH_WINDOW_STEPS": "20"})
+        # Both start at once (their start-up overlaps; nothing is measured before both are ready),
+        # each with a compile cache of its own: neither may load a graph the other compiled.
+        off = _start(python, args, {**base, "VLLM_CACHE_ROOT": str(Path(tmp) / "cache-inactive")})
+        on = _start(python, args, {**base, "VLLM_CACHE_ROOT": str(Path(tmp) / "cache-active"),
+                                   "MOEWATCH_WINDOW_DIR": str(windows), "MOEWATCH_WINDOW_STEPS": "20"})
+        try:
+            _wait_ready(off, python)
+            _wait_ready(on, python)
+        except BaseException:
+            for proc in (off, on):
+                proc.kill()
+                proc.wait()
+            raise
         results: dict[str, list[dict]] = {"inactive": [], "active": []}
         try:
             for i in range(rounds):

@@ -4,11 +4,15 @@ computes on the same weights and tokens (float32). Two engine starts cover eager
 multiprocessing on and off, TP=2 (whose counts must not double) and one rank: eager + worker
 processes + TP=2, then compiled in-process (compiling once, not on two ranks, keeps it short). The
 first also sends its windows to a running agent, whose /metrics then shows the layers with the
-evidence that vLLM could not give marked missing."""
+evidence that vLLM could not give marked missing. The second also binds vLLM's own routed-experts
+capturer to the same routers after the model is built (the router's one capture slot, shared), and
+shows from vLLM's compilation state that the model was compiled. `moewatch bench vllm` runs for real
+on a tiny model, two rounds."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -71,26 +75,28 @@ def transformers_histogram(model_dir: Path, sequences: list[list[int]]) -> np.nd
 
 
 def run_vllm(tiny_model, out: Path, *, compiled: bool, multiprocessing: bool, tp: int = 1,
-             socket: str | None = None) -> tuple[list[Window], list[Path], list[list[int]]]:
-    """Serve the prompts once (3 tokens each); returns (windows, their files, tokens each prompt generated)."""
+             socket: str | None = None, vllm_capture: bool = False) -> tuple[list[Window], list[Path], dict]:
+    """Serve the prompts once (3 tokens each); returns (windows, their files, the driver's result:
+    "generated" holds the tokens each prompt generated; see vllm_driver.py for the rest)."""
     assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment"
     model_dir, prompts_path, _ = tiny_model
     windows_dir = out / "windows"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOEWATCH_", "VLLM_"))}
+    # A compile cache of its own: a graph compiled earlier (with other code bound) is never loaded.
     env.update(MOEWATCH_WINDOW_DIR=str(windows_dir), MOEWATCH_WINDOW_STEPS="2", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0")
+               VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0", VLLM_CACHE_ROOT=str(out / "vllm-cache"))
     if socket:
         env["MOEWATCH_SOCKET"] = socket
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     args = [str(VLLM_PYTHON), str(DRIVER), str(model_dir), str(prompts_path), str(out / "out.json"), "--tp", str(tp)]
-    proc = subprocess.run(args + (["--compiled"] if compiled else []), env=env, capture_output=True, text=True,
-                          timeout=420)
+    args += (["--compiled"] if compiled else []) + (["--vllm-capture"] if vllm_capture else [])
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
     files = sorted(windows_dir.glob("*"))
     assert files and all(f.suffix == ".json" for f in files), [f.name for f in files]  # renamed into place
     windows = [Window.from_json(f.read_text()) for f in files]
-    return windows, files, json.loads((out / "out.json").read_text())["generated"]
+    return windows, files, json.loads((out / "out.json").read_text())
 
 
 def check_counts(windows: list[Window], tiny_model, generated) -> None:
@@ -121,9 +127,9 @@ def test_eager_multiprocess_tp2_counts_equal_transformers_not_doubled_and_reach_
         "server": {"socket": sock, "listen": "127.0.0.1:0"}, "log": {"audit_log": str(short / "audit.jsonl")},
         "jobs": {"triage_interval_seconds": 0.05, "export_interval_seconds": 0.2}})).start()
     try:
-        windows, files, generated = run_vllm(tiny_model, tmp_path, compiled=False, multiprocessing=True, tp=2,
-                                             socket=sock)
-        check_counts(windows, tiny_model, generated)
+        windows, files, result = run_vllm(tiny_model, tmp_path, compiled=False, multiprocessing=True, tp=2,
+                                          socket=sock)
+        check_counts(windows, tiny_model, result["generated"])
         # CPU eager: per-layer MoE time and per-step time are measured (perf_counter, no sync).
         assert all(w.layer_seconds is not None and (w.layer_seconds > 0).all() for w in windows)
         assert all(w.step_seconds is not None for w in windows)
@@ -174,11 +180,91 @@ def check_missing_evidence_marked(text: str, model: str) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_in_process_counts_equal_transformers(tiny_model, tmp_path):
-    windows, _, generated = run_vllm(tiny_model, tmp_path, compiled=True, multiprocessing=False)
-    check_counts(windows, tiny_model, generated)
+def test_compiled_in_process_counts_equal_transformers_beside_vllms_own_capture(tiny_model, tmp_path):
+    windows, _, result = run_vllm(tiny_model, tmp_path, compiled=True, multiprocessing=False, vllm_capture=True)
+    check_counts(windows, tiny_model, result["generated"])
     # Compiled: no per-layer timing without a sync, so it is absent rather than guessed.
     assert all(w.layer_seconds is None for w in windows)
+
+    # vLLM's routed-experts capturer, bound after moewatch's counter (as enable_return_routed_experts
+    # binds it), captured every real step, and what it captured is what moewatch counted: window by
+    # window (each the histogram of its steps' captured ids), layer by layer, expert by expert.
+    captured = np.array(result["vllm_capture_steps"])  # [steps, L, E]
+    assert captured.shape == (sum(w.steps for w in windows), 3, EXPERTS)
+    first = 0
+    for w in windows:  # files sorted by name: in the order they were written
+        np.testing.assert_array_equal(captured[first:first + w.steps].sum(axis=0), w.expert_tokens)
+        first += w.steps
+    sequences = [p + g[:-1] for p, g in zip(tiny_model[2], result["generated"])]
+    assert (captured.sum(axis=(0, 2)) == TOP_K * sum(len(s) for s in sequences)).all()
+
+    # vLLM compiled the model in this run (its own counter, in the engine's process), from a cache
+    # of its own (never a graph loaded from an earlier run), and serves it from the compiled code.
+    counter = result["compilation_counter"]
+    assert counter["num_aot_compiles"] == 1 and counter["num_aot_artifacts_loaded"] == 0, counter
+    assert counter["num_models_seen"] == 1, counter
+    modules = result["compiled_modules"]
+    assert modules and all(m == {"compiled": True, "has_compiled_fn": True} for m in modules.values()), modules
+    # enable_return_routed_experts needs Model Runner V2 (not runnable on this CPU build): its steps
+    # are observed too, besides V1's, which counted the steps above.
+    assert result["observed_runners"] == {"v1": True, "v2": True}
+
+
+class OneSlotRouter:
+    """The capture slot of vLLM's BaseRouter, as this version has it: one function, set by
+    set_capture_fn and called with the logical top-k ids [N, k] in select_experts."""
+
+    def __init__(self):
+        self.capture_fn = None
+
+    def set_capture_fn(self, capture_fn):
+        self.capture_fn = capture_fn
+
+    def route(self, topk_ids: torch.Tensor) -> None:
+        if self.capture_fn is not None:
+            self.capture_fn(topk_ids)
+
+
+def test_the_capture_slot_runs_moewatchs_counter_and_the_other_bind_whichever_came_first():
+    from moewatch.runtime.engines.common import PairCounter, PairWeights
+    from moewatch.runtime.engines.vllm_plugin import _share_capture_slot
+
+    ids = torch.tensor([[0, 3], [3, 1]])
+    weights = PairWeights(max_tokens=8, top_k=2, device="cpu")
+    weights.arm(2)
+    counter = PairCounter(4, weights.tensor)
+    earlier, later = [], []
+    router = OneSlotRouter()
+    router.set_capture_fn(earlier.append)  # bound before moewatch's bind
+    _share_capture_slot(router, counter.add)
+    router.route(ids)
+    assert counter.counts.tolist() == [1, 1, 0, 2] and len(earlier) == 1
+
+    router.set_capture_fn(later.append)  # bound after: replaces the earlier one, not the counter
+    router.route(ids)
+    assert counter.counts.tolist() == [2, 2, 0, 4] and (len(earlier), len(later)) == (1, 1)
+
+    router.set_capture_fn(router.capture_fn)  # what was read back, bound again: still counted once
+    router.route(ids)
+    assert counter.counts.tolist() == [3, 3, 0, 6] and len(later) == 2
+
+    router.set_capture_fn(None)  # unbound by the other party: the counter stays
+    router.route(ids)
+    assert counter.counts.tolist() == [4, 4, 0, 8] and len(later) == 2
+
+
+def test_moewatchs_bind_on_an_empty_slot_leaves_only_its_counter():
+    from moewatch.runtime.engines.common import PairCounter, PairWeights
+    from moewatch.runtime.engines.vllm_plugin import _share_capture_slot
+
+    weights = PairWeights(max_tokens=4, top_k=1, device="cpu")
+    weights.arm(1)
+    counter = PairCounter(2, weights.tensor)
+    router = OneSlotRouter()
+    _share_capture_slot(router, counter.add)
+    assert router.capture_fn == counter.add  # nothing else bound: the counter itself, no wrapper
+    router.route(torch.tensor([[1]]))
+    assert counter.counts.tolist() == [0, 1]
 
 
 @pytest.mark.slow
@@ -197,3 +283,67 @@ print(loaded, vllm_plugin._state['registered'], 'vllm.model_executor.layers.fuse
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEWATCH_")}
     proc = subprocess.run([str(VLLM_PYTHON), "-c", probe], env=env, capture_output=True, text=True, timeout=180)
     assert proc.stdout.split()[-3:] == ["True", "False", "False"], proc.stderr[-2000:]
+
+
+class StepLog:
+    """Stands in for the recorder: the steps the plugin began and ended."""
+
+    def __init__(self):
+        self.steps: list = []
+
+    def begin_step(self, tokens: int) -> None:
+        self.steps.append(("begin", tokens))
+
+    def end_step(self) -> None:
+        self.steps.append(("end",))
+
+
+def test_a_v2_runners_dummy_runs_are_no_steps_and_its_real_steps_are(monkeypatch):
+    from types import SimpleNamespace
+
+    from moewatch.runtime.engines import vllm_plugin
+
+    log = StepLog()
+    monkeypatch.setitem(vllm_plugin._state, "recorder", log)
+    calls = []
+    v2 = vllm_plugin._counting_steps(lambda self, out, *a, **kw: calls.append(out.total_num_scheduled_tokens),
+                                     dummy_runs=True)
+    tokens = SimpleNamespace
+    v2("runner", tokens(total_num_scheduled_tokens=8), dummy_run=True)  # warm-up, profiling
+    v2("runner", tokens(total_num_scheduled_tokens=8), None, True)  # dummy_run passed by position
+    v2("runner", tokens(total_num_scheduled_tokens=0))
+    assert log.steps == [] and calls == [8, 8, 0]
+    v2("runner", tokens(total_num_scheduled_tokens=5))
+    v2("runner", tokens(total_num_scheduled_tokens=3), None, False)
+    assert log.steps == [("begin", 5), ("end",), ("begin", 3), ("end",)] and calls == [8, 8, 0, 5, 3]
+    # V1's second parameter is the intermediate tensors, not a dummy flag: a real step all the same.
+    v1 = vllm_plugin._counting_steps(lambda self, out, *a, **kw: None, dummy_runs=False)
+    v1("runner", tokens(total_num_scheduled_tokens=4), object())
+    assert log.steps[-2:] == [("begin", 4), ("end",)]
+
+
+BENCH_VLLM_FIGURES = ("overhead_ratio", "overhead_ratio_cpu_time", "tokens_per_second_inactive",
+                      "tokens_per_second_active", "plugin_seconds_per_step")
+
+
+@pytest.mark.slow
+def test_bench_vllm_runs_two_rounds_on_a_tiny_model_and_reports_finite_positive_figures():
+    assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOEWATCH_", "VLLM_"))}
+    proc = subprocess.run([sys.executable, "-m", "moewatch.cli", "bench", "vllm", "--python", str(VLLM_PYTHON),
+                           "--rounds", "2", "--prompts", "4", "--prompt-len", "8", "--max-tokens", "4", "--pause", "0",
+                           "--json", "--no-record"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    assert set(BENCH_VLLM_FIGURES) | {"rounds", "prompts", "prompt_len", "max_tokens", "pause_seconds", "mode",
+                                      "windows_written", "tokens_per_round", "per_round_tokens_per_second"} <= set(out)
+    for key in BENCH_VLLM_FIGURES:
+        assert isinstance(out[key], float) and math.isfinite(out[key]) and out[key] > 0, (key, out[key])
+    per_round = out["per_round_tokens_per_second"]
+    assert set(per_round) == {"inactive", "active"}
+    assert all(len(v) == 2 and all(math.isfinite(x) and x > 0 for x in v) for v in per_round.values()), per_round
+    assert (out["rounds"], out["prompts"], out["prompt_len"], out["max_tokens"], out["mode"]) == (2, 4, 8, 4, "eager")
+    # Every prompt and every generated token, in each round; the active engine wrote its windows.
+    assert out["tokens_per_round"] == 4 * (8 + 4)
+    assert out["windows_written"] >= 1
+
