@@ -39,8 +39,10 @@ _state: dict = {"registered": False, "recorder": None}
 
 def register() -> None:
     """The entry point. Idempotent (vLLM may load plugins more than once per process)."""
+    from . import vllm_eplb
     from .common import EngineSettings
 
+    vllm_eplb.install_from_env()  # MOEWATCH_EPLB=1: moewatch's planner as vLLM's EPLB policy (vllm_eplb.py)
     settings = EngineSettings.from_env()
     if settings is None or _state["registered"]:
         return
