@@ -32,6 +32,7 @@ from .cost import CostModel
 from .metrics import balancedness, contiguous_placement, gpu_load, is_valid_placement
 from .solve import solve_placement
 
+SWITCH = "MOEWATCH_EPLB"  # one variable turns moewatch's policy on in vLLM and in SGLang
 ENV_PREFIX = "MOEWATCH_EPLB_"
 
 # Why a layer's row is what it is (one per layer in a decision).
@@ -40,6 +41,11 @@ KEPT_BALANCED = "kept: no placement better by min_balancedness_gain"
 KEPT_NOT_PAYING = "kept: the predicted gain does not pay for the stall"
 KEPT_IDLE = "kept: no load"
 FRESH = "placed: no usable current placement (first call or a changed slot count)"
+
+
+def switched_on(environ: Mapping[str, str]) -> bool:
+    """True when MOEWATCH_EPLB asks for moewatch's policy (1, true, yes, on)."""
+    return environ.get(SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)

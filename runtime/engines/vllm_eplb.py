@@ -24,11 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance
+from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance, switched_on
 
 logger = logging.getLogger("moewatch.vllm.eplb")
 
-SWITCH = "MOEWATCH_EPLB"
 EXPECTED_PARAMETERS = ("weight", "num_replicas", "num_groups", "num_nodes", "num_ranks",
                        "old_global_expert_indices")
 
@@ -38,14 +37,10 @@ _state: dict[str, Any] = {"installed": False, "original": None, "fallbacks": 0, 
                           "settings": None}
 
 
-def enabled(environ=os.environ) -> bool:
-    return environ.get(SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def install_from_env(environ=os.environ) -> bool:
     """Replace vLLM's default EPLB policy when MOEWATCH_EPLB is on; True when ours is in place.
     Idempotent. Never raises: a bad setting or another interface leaves vLLM's policy in place."""
-    if not enabled(environ):
+    if not switched_on(environ):
         return False
     if _state["installed"]:
         return True
