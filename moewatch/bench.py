@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "agent": ("moewatch.agent.bench:agent", "An agent process's CPU, memory, scrape time and lag at a window size and rate."),
     "vllm": ("moewatch.runtime.engines.bench:vllm", "The vLLM plugin's cost: tokens/s active over inactive."),
     "loop": ("moewatch.agent.loopbench:loop", "Closed loop: step time before and after the agent acts, with a control."),
+    "eplb": ("moewatch.runtime.engines.eplb_bench:eplb", "moewatch's EPLB policy against vLLM's and SGLang's own."),
 }
 
 
@@ -23,4 +24,4 @@ SUBCOMMANDS = {
 def bench() -> None:
     """Benchmarks: `planner` (against DeepSeek's EPLB), `probe` (overhead on the forward step), `agent`
     (one agent process at a window size and rate), `vllm` (the vLLM plugin's cost), `loop` (step time
-    before and after the agent acts)."""
+    before and after the agent acts), `eplb` (moewatch's EPLB policy against vLLM's and SGLang's)."""
