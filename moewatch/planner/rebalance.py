@@ -21,7 +21,9 @@ Sizes: L layers, E logical experts, P physical slots, W GPUs (ranks), N nodes.
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
@@ -204,3 +206,26 @@ def layer_gain_and_stall(load: np.ndarray, current: np.ndarray, proposed: np.nda
                                                  settings.inter_node_bytes_per_second)
                       for layer in range(load.shape[0])])
     return gain, stall
+
+
+class DecisionRecords:
+    """The records of an engine's policy calls not yet reported, oldest first, at most `limit` (older
+    ones are dropped and counted). Thread-safe: vLLM calls its policy on a background thread."""
+
+    def __init__(self, limit: int = 64):
+        self._records: deque[dict[str, Any]] = deque(maxlen=limit)
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def append(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            if len(self._records) == self._records.maxlen:
+                self.dropped += 1
+            self._records.append(record)
+
+    def take(self) -> list[dict[str, Any]]:
+        """Every pending record, oldest first; the queue is empty afterwards."""
+        with self._lock:
+            out = list(self._records)
+            self._records.clear()
+        return out

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from moewatch.planner.metrics import replica_counts_of
-from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance, switched_on
+from moewatch.planner.rebalance import (DecisionRecords, RebalanceDecision, RebalanceSettings, gated_rebalance,
+                                        switched_on)
 
 logger = logging.getLogger("moewatch.sglang.eplb")
 
@@ -37,7 +38,8 @@ EXPECTED_PARAMETERS = ("tokens_per_expert", "num_physical_experts", "num_local_p
                        "num_nodes", "algorithm")
 
 # Per process, never part of a decision.
-_state: dict[str, Any] = {"registered": False, "fallbacks": 0, "last_decision": None, "settings": None}
+_state: dict[str, Any] = {"registered": False, "fallbacks": 0, "last_decision": None, "records": DecisionRecords(),
+                          "settings": None}
 
 
 def register(environ=os.environ) -> bool:
@@ -102,8 +104,10 @@ def rebalance_around(original, *args, **kwargs):
             logger.warning("moewatch: EPLB hook failed (%s: %s); SGLang's own algorithm answers this call and any "
                            "later failure (counted, not logged again)", type(exc).__name__, exc, exc_info=exc)
         _state["last_decision"] = None
+        _state["records"].append({"engine": "sglang", "fallback": True, "error": f"{type(exc).__name__}: {exc}"})
         return original(*args, **kwargs)
     _state["last_decision"] = decision
+    _state["records"].append({"engine": "sglang", **decision.record()})
     return tensors
 
 
@@ -156,6 +160,18 @@ def fallbacks() -> int:
 
 def last_decision() -> RebalanceDecision | None:
     return _state["last_decision"]
+
+
+def take_records() -> list[dict[str, Any]]:
+    """The records of this process's policy calls since the last take (decisions and fallbacks),
+    for the windows the adapter sends (`extra["engine_rebalance"]`)."""
+    return _state["records"].take()
+
+
+def window_extra() -> dict[str, Any]:
+    """{"engine_rebalance": records} for the forward hook's next window, or {} when none is pending."""
+    records = take_records()
+    return {"engine_rebalance": records} if records else {}
 
 
 def _sglang_version() -> str:

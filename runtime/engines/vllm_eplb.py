@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance, switched_on
+from moewatch.planner.rebalance import (DecisionRecords, RebalanceDecision, RebalanceSettings, gated_rebalance,
+                                        switched_on)
 
 logger = logging.getLogger("moewatch.vllm.eplb")
 
@@ -34,7 +35,7 @@ EXPECTED_PARAMETERS = ("weight", "num_replicas", "num_groups", "num_nodes", "num
 # Per process, never part of a decision: what was installed, how often vLLM's policy stood in, and
 # the last decision (for the adapter that reports it).
 _state: dict[str, Any] = {"installed": False, "original": None, "fallbacks": 0, "last_decision": None,
-                          "settings": None}
+                          "records": DecisionRecords(), "settings": None}
 
 
 def install_from_env(environ=os.environ) -> bool:
@@ -98,6 +99,7 @@ def make_policy(base: type, original: type, settings: RebalanceSettings) -> type
                 return _fall_back(exc, original, weight, num_replicas, num_groups, num_nodes, num_ranks,
                                   old_global_expert_indices)
             _state["last_decision"] = decision
+            _state["records"].append({"engine": "vllm", **decision.record()})
             import torch
 
             return torch.from_numpy(np.ascontiguousarray(decision.physical_to_logical_map, dtype=np.int64))
@@ -138,12 +140,19 @@ def last_decision() -> RebalanceDecision | None:
     return _state["last_decision"]
 
 
+def take_records() -> list[dict[str, Any]]:
+    """The records of this process's policy calls since the last take (decisions and fallbacks),
+    for the windows the adapter sends (`extra["engine_rebalance"]`)."""
+    return _state["records"].take()
+
+
 def _fall_back(exc: Exception, original, *args):
     _state["fallbacks"] += 1
     if _state["fallbacks"] == 1:
         logger.warning("moewatch: EPLB policy failed (%s: %s); vLLM's own policy answers this call and any "
                        "later failure (counted, not logged again)", type(exc).__name__, exc, exc_info=exc)
     _state["last_decision"] = None
+    _state["records"].append({"engine": "vllm", "fallback": True, "error": f"{type(exc).__name__}: {exc}"})
     return original.rebalance_experts(*args)
 
 

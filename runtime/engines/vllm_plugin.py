@@ -112,6 +112,8 @@ def _recorder_for(moe_config):
         time_steps=on_cpu)
     if on_cpu and eager:
         rec.layer_seconds = {}
+    from . import vllm_eplb
+    rec.extra_fields["engine_rebalance"] = vllm_eplb.take_records  # the EPLB policy's decisions, when it is on
     _state["recorder"] = rec
     _state["time_layers"] = on_cpu and eager
     return rec

@@ -119,7 +119,9 @@ def main() -> None:
                                               num_nodes=N, num_gpus=W, enable_hierarchical=False)
         out["fallback"] = {"equal": all(bool((a == b).all()) for g in got for a, b in zip(g, expected)),
                            "fallbacks": sglang_eplb.fallbacks(),
-                           "warnings": [m for m in records.messages if "EPLB hook failed" in m]}
+                           "warnings": [m for m in records.messages if "EPLB hook failed" in m],
+                           "records": ["fallback" if r.get("fallback") else "decision"
+                                       for r in sglang_eplb.take_records()]}
     print(json.dumps(out))
 
 

@@ -44,7 +44,8 @@ def test_goals_pass_and_fail_on_the_issues_terms():
     assert set(got) == {"steady_load_moves_nothing_after_first",
                         *(f"{goal}_{other}" for goal in ("moved_at_most_a_third_of", "solve_time_at_most_half_of")
                           for other in ("vllm_default", "sglang_deepseek")),
-                        *(f"balancedness_at_least_{other}_every_interval" for other in ("vllm_default", "sglang_deepseek"))}
+                        *(f"balancedness_at_least_{other}_every_interval"
+                          for other in ("vllm_default", "sglang_deepseek"))}
     assert all(got.values()), got
     bad = {"zipf": {"moewatch": figures([0.97, 0.99], [30, 40], [0.2, 0.2]),
                     "vllm_default": figures([0.98, 0.98], [100, 90], [0.3, 0.3])}}

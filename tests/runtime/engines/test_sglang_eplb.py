@@ -57,6 +57,8 @@ def test_an_internal_error_returns_sglangs_own_result_counted_and_logged_once(in
     fallback = inside_sglang["fallback"]
     assert fallback["equal"] is True and fallback["fallbacks"] == 2
     assert len(fallback["warnings"]) == 1, fallback
+    # every call left a record for the windows: the three decisions, then the two fallbacks
+    assert fallback["records"] == ["decision"] * 3 + ["fallback"] * 2, fallback["records"]
 
 
 @pytest.mark.slow

@@ -75,6 +75,8 @@ def test_an_internal_error_returns_vllms_own_result_counted_and_logged_once(insi
     assert out["equal"] is True
     assert out["fallbacks"] == 2
     assert len(out["warnings"]) == 1, out["warnings"]
+    # every call left a record for the windows: the earlier cases' decisions, then the two fallbacks
+    assert out["records"] == ["decision"] * 6 + ["fallback"] * 2, out["records"]
 
 
 @pytest.mark.slow

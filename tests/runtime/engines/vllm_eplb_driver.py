@@ -107,7 +107,8 @@ def fallback(chosen, L, E, P, W, records) -> dict:
     got = [chosen.rebalance_experts(load, P, 1, 1, W, old) for _ in range(2)]
     expected = DefaultEplbPolicy.rebalance_experts(load, P, 1, 1, W, old)
     return {"equal": all(bool((g == expected).all()) for g in got), "fallbacks": vllm_eplb.fallbacks(),
-            "warnings": [m for m in records.messages if "EPLB policy failed" in m]}
+            "warnings": [m for m in records.messages if "EPLB policy failed" in m],
+            "records": ["fallback" if r.get("fallback") else "decision" for r in vllm_eplb.take_records()]}
 
 
 def main() -> None:
