@@ -63,7 +63,9 @@ class RebalanceSettings:
     inter_node_bytes_per_second: float = 2.2e10
     gain_margin: float = 1.0
     min_balancedness_gain: float = 0.0
-    tolerance: float = 0.005  # the planner may stop this share below its best balancedness to move less
+    # The planner may stop this share below its best balancedness to move less: on a drifting load at
+    # 61 x 256 (320 slots, 64 ranks) 0.02 moved a quarter fewer slots than 0.005 for 0.98 against 0.985.
+    tolerance: float = 0.02
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "RebalanceSettings":

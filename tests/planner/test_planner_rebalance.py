@@ -55,7 +55,7 @@ def test_gain_and_stall_are_priced_from_the_busiest_gpu_and_the_bytes_moved():
     s = rb.RebalanceSettings(expert_bytes=5e8, link_bytes_per_second=1e10, inter_node_bytes_per_second=1e9,
                              window_steps=10, horizon_steps=1000)
     d = rb.gated_rebalance(load, P, W, 1, current=current, settings=s)
-    proposed = rb.solve_placement(load, W, P, 1, current=current).physical_to_logical_map
+    proposed = rb.solve_placement(load, W, P, 1, current=current, tolerance=s.tolerance).physical_to_logical_map
     from moewatch.planner.metrics import gpu_load
     drop = gpu_load(load, current, W).max(axis=1) - gpu_load(load, proposed, W).max(axis=1)
     np.testing.assert_allclose(d.predicted_gain_seconds, drop / 10 * s.seconds_per_pair * 1000)
