@@ -106,6 +106,22 @@ METRICS: tuple[MetricSpec, ...] = (
                "Decisions by kind (replicate, capacity, placement, rollback) and result "
                "(recommended, applied, skipped, failed, rolled_back)."),
     MetricSpec("moewatch_rollbacks_total", "counter", GROUP, "Plans rolled back after verification."),
+    # --- the engine's own rebalancing with moewatch's policy (records carried in the windows)
+    MetricSpec("moewatch_engine_rebalance_calls_total", "counter", (*GROUP, "engine", "result"),
+               "Engine rebalance calls answered by moewatch's policy (result decided) or, after an error, "
+               "by the engine's own algorithm (result fallback)."),
+    MetricSpec("moewatch_engine_rebalance_layers_total", "counter", (*GROUP, "outcome"),
+               "Layers per engine rebalance by outcome (moved, placed, kept_no_better, kept_not_paying, "
+               "kept_idle)."),
+    MetricSpec("moewatch_engine_rebalance_experts_moved_total", "counter", GROUP,
+               "Slots whose expert the engine's rebalances changed, as moewatch's policy decided."),
+    MetricSpec("moewatch_engine_rebalance_balancedness_ratio", "gauge", (*GROUP, "phase"),
+               "Predicted balancedness of the latest engine rebalance: before, proposed (the planner's) "
+               "and after (what the gate kept)."),
+    MetricSpec("moewatch_engine_rebalance_predicted_stall_seconds", "gauge", GROUP,
+               "Predicted stall of the latest engine rebalance's moves."),
+    MetricSpec("moewatch_engine_rebalance_solve_seconds", "gauge", GROUP,
+               "Seconds the latest engine rebalance call took inside the engine."),
     MetricSpec("moewatch_layer_unhealthy_windows", "gauge", LAYER,
                "Consecutive windows with a verdict other than healthy."),
     # --- the agent itself

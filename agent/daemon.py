@@ -28,7 +28,8 @@ from moewatch.wire import Ack, Heartbeat, Hello
 from .audit import AuditLog, jsonable
 from .config import AgentConfig
 from .controller import Controller
-from .exporters import MetricsState, init_group, init_jobs, init_static, make_registry, record_window, render
+from .exporters import (MetricsState, engine_rebalance_records, init_group, init_jobs, init_static, make_registry,
+                        record_window, render)
 from .health import Check, Health, HttpSecurity, SystemdNotifier, WebServer, health_body
 from .jobs import Jobs
 from .receiver import Connection, Limits, Receiver, TcpListenError
@@ -396,6 +397,10 @@ class Daemon:
         for window in group.take_untriaged():
             diagnosis = diagnose(window, self.cfg.thresholds)
             record_window(self.metrics, group.export, window, diagnosis, self.cfg.expert_metrics)
+            if self.audit is not None:  # what the engine's own rebalancing decided with moewatch's policy
+                for record in engine_rebalance_records(window):
+                    self.audit.record("engine_rebalance", model=group.key[0], ep_group=group.key[1],
+                                      window_end=window.end_time, decision=record)
             triaged = TriagedWindow(window, diagnosis, time.time())
             if not group.add_triaged(triaged):
                 continue  # the old lineage's: exported, never counted for the new runtime

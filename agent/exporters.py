@@ -10,6 +10,7 @@ catalogue is a programming error and raises, so nothing outside the contract can
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -288,6 +289,7 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
     for has no series (a previous window's is removed), and moewatch_layer_evidence_missing says
     which evidence was missing."""
     group = (w.model, w.ep_group)
+    record_engine_rebalance(state, group, engine_rebalance_records(w))
     steps = max(w.steps, 1)
     layer_keys, rank_keys = memory.labels(group, w.num_layers, w.world_size)
     rank_load = tm.rank_load(w)
@@ -516,6 +518,52 @@ def init_static(state: MetricsState, mode: str) -> None:
 
 ACTION_KINDS = ("replicate", "placement", "capacity", "batch", "rollback")
 ACTION_RESULTS = ("recommended", "applied", "skipped", "failed", "rolled_back")
+
+
+ENGINE_REBALANCE_OUTCOMES = ("moved", "placed", "kept_no_better", "kept_not_paying", "kept_idle")
+
+
+def engine_rebalance_records(w: Window) -> list[dict[str, Any]]:
+    """The engine rebalance records a window carries (extra.engine_rebalance), the well-formed ones:
+    the runtime's input, so anything else in the list is left out rather than trusted."""
+    records = w.extra.get("engine_rebalance")
+    if not isinstance(records, list):
+        return []
+    return [r for r in records if isinstance(r, dict) and isinstance(r.get("engine"), str)
+            and (r.get("fallback") is True or isinstance(r.get("layer_outcomes"), dict))]
+
+
+def record_engine_rebalance(state: MetricsState, group: tuple[str, str], records: list[dict[str, Any]]) -> None:
+    """Count the engine's rebalance calls and their layers; the latest decision's predictions as gauges."""
+    for r in records:
+        result = "fallback" if r.get("fallback") is True else "decided"
+        engine = r["engine"] if r["engine"] in ("vllm", "sglang") else "other"  # a bounded label set
+        state.inc("moewatch_engine_rebalance_calls_total", (*group, engine, result))
+        if result == "fallback":
+            continue
+        for outcome in ENGINE_REBALANCE_OUTCOMES:
+            count = _number(r["layer_outcomes"].get(outcome, 0))
+            if count:
+                state.inc("moewatch_engine_rebalance_layers_total", (*group, outcome), count)
+        moved = _number(r.get("experts_moved"))
+        if moved:
+            state.inc("moewatch_engine_rebalance_experts_moved_total", group, moved)
+        for phase in ("before", "proposed", "after"):
+            value = r.get(f"balancedness_{phase}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0:
+                state.set("moewatch_engine_rebalance_balancedness_ratio", (*group, phase), value)
+        for name, key in (("moewatch_engine_rebalance_predicted_stall_seconds", "predicted_stall_seconds"),
+                          ("moewatch_engine_rebalance_solve_seconds", "solve_seconds")):
+            value = _number(r.get(key))
+            if value is not None:
+                state.set(name, group, value)
+
+
+def _number(value: Any) -> float | None:
+    """A finite, non-negative number from a record, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
 
 
 def init_group(state: MetricsState, group: tuple[str, str]) -> None:

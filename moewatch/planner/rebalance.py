@@ -43,6 +43,9 @@ KEPT_BALANCED = "kept: no placement better by min_balancedness_gain"
 KEPT_NOT_PAYING = "kept: the predicted gain does not pay for the stall"
 KEPT_IDLE = "kept: no load"
 FRESH = "placed: no usable current placement (first call or a changed slot count)"
+# Short names of the reasons, for metric labels and counts in a record.
+OUTCOMES = {MOVED: "moved", FRESH: "placed", KEPT_BALANCED: "kept_no_better", KEPT_NOT_PAYING: "kept_not_paying",
+            KEPT_IDLE: "kept_idle"}
 
 
 def switched_on(environ: Mapping[str, str]) -> bool:
@@ -120,6 +123,7 @@ class RebalanceDecision:
             "layers_moved": moved,
             "layers_kept": len(self.reasons) - moved,
             "layers_by_reason": by_reason,
+            "layer_outcomes": {OUTCOMES[reason]: len(layers) for reason, layers in by_reason.items()},
             "experts_moved": int(self.experts_moved.sum()),
             "balancedness_before": before,
             "balancedness_after": float(self.balancedness_after.mean()),
