@@ -122,6 +122,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "Predicted stall of the latest engine rebalance's moves."),
     MetricSpec("moewatch_engine_rebalance_solve_seconds", "gauge", GROUP,
                "Seconds the latest engine rebalance call took inside the engine."),
+    MetricSpec("moewatch_engine_rebalance_verdicts_total", "counter", (*GROUP, "verdict"),
+               "Engine rebalances checked on the next window: worse (a moved layer's measured balancedness "
+               "fell by more than rollback_balancedness_drop) or not_worse."),
+    MetricSpec("moewatch_engine_rebalance_layers_worse_total", "counter", GROUP,
+               "Layers an engine rebalance made worse (measured balancedness)."),
     MetricSpec("moewatch_layer_unhealthy_windows", "gauge", LAYER,
                "Consecutive windows with a verdict other than healthy."),
     # --- the agent itself

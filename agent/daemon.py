@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from moewatch import __version__
+from moewatch import telemetry as tm
 from moewatch.integrations import registry
 from moewatch.integrations.base import Source
 from moewatch.plan import Plan
@@ -25,6 +26,7 @@ from moewatch.telemetry import Window
 from moewatch.triage import diagnose
 from moewatch.wire import Ack, Heartbeat, Hello
 
+from . import engine_rebalance
 from .audit import AuditLog, jsonable
 from .config import AgentConfig
 from .controller import Controller
@@ -109,6 +111,8 @@ class Daemon:
         self._ack_thread: threading.Thread | None = None
         self.started_at: float | None = None
         self.sources: dict[str, Source] = {}  # integration name -> its polled Source, where its settings configure one
+        # group -> (the engine rebalance check pending, the latest window's measured balancedness [L])
+        self._rebalance_checks: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -397,10 +401,7 @@ class Daemon:
         for window in group.take_untriaged():
             diagnosis = diagnose(window, self.cfg.thresholds)
             record_window(self.metrics, group.export, window, diagnosis, self.cfg.expert_metrics)
-            if self.audit is not None:  # what the engine's own rebalancing decided with moewatch's policy
-                for record in engine_rebalance_records(window):
-                    self.audit.record("engine_rebalance", model=group.key[0], ep_group=group.key[1],
-                                      window_end=window.end_time, decision=record)
+            self._engine_rebalance(group, window)
             triaged = TriagedWindow(window, diagnosis, time.time())
             if not group.add_triaged(triaged):
                 continue  # the old lineage's: exported, never counted for the new runtime
@@ -410,6 +411,32 @@ class Daemon:
                     listener(group, triaged)
                 except Exception:
                     log.exception("window listener failed")
+
+    def _engine_rebalance(self, group: GroupStore, window: Window) -> None:
+        """The engine's own rebalances with moewatch's policy: audit each record the window carries,
+        and settle the check of the previous one on this window's measured balancedness."""
+        records = engine_rebalance_records(window)
+        if self.audit is not None:
+            for record in records:
+                self.audit.record("engine_rebalance", model=group.key[0], ep_group=group.key[1],
+                                  window_end=window.end_time, decision=record)
+        pending, previous = self._rebalance_checks.get(group.key, (None, None))
+        current = tm.balancedness(window)
+        pending, verdict = engine_rebalance.step(pending, previous, current, records,
+                                                 self.cfg.rollback_balancedness_drop)
+        self._rebalance_checks[group.key] = (pending, current)
+        if verdict is None:
+            return
+        self.metrics.inc("moewatch_engine_rebalance_verdicts_total", (*group.key, verdict["verdict"]))
+        if verdict["layers_worse"]:
+            self.metrics.inc("moewatch_engine_rebalance_layers_worse_total", group.key, len(verdict["layers_worse"]))
+        if self.audit is not None:
+            self.audit.record("engine_rebalance_verdict", model=group.key[0], ep_group=group.key[1],
+                              window_end=window.end_time, **verdict)
+        if verdict["layers_worse"]:
+            log.warning("engine rebalance made layers %s of %s/%s worse (measured balancedness %s -> %s)",
+                        verdict["layers_worse"], *group.key, verdict["balancedness_before"],
+                        verdict["balancedness_after"])
 
     def export_job(self) -> None:
         self.retire_groups()
@@ -435,6 +462,7 @@ class Daemon:
             self.controller.abandon(group, "group retired: its runtime left")
             self.store.remove(group.key)
             self.controller.forget(group.key)
+            self._rebalance_checks.pop(group.key, None)
             self.metrics.remove_group(group.key)
             self.metrics.inc("moewatch_groups_retired_total", ())
             if self.audit is not None:

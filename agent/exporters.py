@@ -572,8 +572,10 @@ def init_group(state: MetricsState, group: tuple[str, str]) -> None:
         for result in ACTION_RESULTS:
             state.inc("moewatch_actions_total", (*group, kind, result), 0)
     for name in ("moewatch_rollbacks_total", "moewatch_runtime_frames_dropped_total", "moewatch_windows_total",
-                 "moewatch_tokens_total"):
+                 "moewatch_tokens_total", "moewatch_engine_rebalance_layers_worse_total"):
         state.inc(name, group, 0)
+    for verdict in ("worse", "not_worse"):
+        state.inc("moewatch_engine_rebalance_verdicts_total", (*group, verdict), 0)
 
 
 def init_jobs(state: MetricsState, jobs: list[str]) -> None:

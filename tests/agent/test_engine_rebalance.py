@@ -66,3 +66,47 @@ def test_the_agent_audits_each_engine_rebalance(helpers, start_agent, short_tmp)
     assert lines[0]["model"] == "m" and lines[0]["ep_group"] == "g"
     assert lines[0]["decision"]["experts_moved"] == int(decision.experts_moved.sum())
     assert np.isclose(lines[0]["decision"]["balancedness_after"], float(decision.balancedness_after.mean()))
+
+
+def test_a_rebalance_is_checked_on_the_next_window_and_a_worse_layer_reported():
+    from moewatch.agent import engine_rebalance as er
+
+    record = {"engine": "vllm", "layers_by_reason": {"moved": [0, 2], "kept: no load": [1]}}
+    fallback = {"engine": "vllm", "fallback": True, "layers_by_reason": {"moved": [1]}}
+    assert er.moved_layers([record, fallback, {"layers_by_reason": {"moved": ["x", True]}}]) == (0, 2)
+    before = np.array([0.90, 0.50, 0.80])
+    pending, verdict = er.step(None, before, np.array([0.9, 0.5, 0.8]), [record], drop=0.05)
+    assert verdict is None and pending.before == {0: 0.90, 2: 0.80}
+    # unmeasured next window: still pending
+    assert er.step(pending, None, None, [], 0.05) == (pending, None)
+    pending, verdict = er.step(pending, np.array([0.9, 0.5, 0.8]), np.array([0.95, 0.1, 0.70]), [], drop=0.05)
+    assert pending is None
+    assert verdict["verdict"] == "worse" and verdict["layers_checked"] == [0, 2] and verdict["layers_worse"] == [2]
+    _, fine = er.step(er.PendingCheck({0: 0.9}), None, np.array([0.88]), [], drop=0.05)
+    assert fine["verdict"] == "not_worse" and fine["layers_worse"] == []
+    # no window before the rebalance: nothing to compare with
+    assert er.step(None, None, before, [record], 0.05) == (None, None)
+
+
+def test_the_agent_reports_a_rebalance_that_made_a_layer_worse(helpers, start_agent, short_tmp):
+    daemon = start_agent()
+    pmap = helpers.contiguous(L, E, P)
+    even = helpers.make_window(np.full((L, E), 100, dtype=np.int64), pmap, W, start_time=1000.0)
+    moved = {"engine": "vllm", "fallback": False, "layer_outcomes": {"moved": 1, "kept_idle": 1},
+             "layers_by_reason": {"moved": [0]}, "experts_moved": 4}
+    skewed = helpers.hot_load(L, E, hot=0)
+    windows = [even, helpers.make_window(np.full((L, E), 100, dtype=np.int64), pmap, W, start_time=1010.0),
+               helpers.make_window(skewed, pmap, W, start_time=1020.0)]
+    windows[1] = windows[1].replace(extra={**windows[1].extra, "engine_rebalance": [moved]})
+    for w in windows:
+        assert daemon.ingest_window(w) is None
+    deadline = time.monotonic() + 10
+    verdicts = []
+    while time.monotonic() < deadline and not verdicts:
+        daemon.audit.sync()
+        verdicts = [json.loads(x) for x in (short_tmp / "audit.jsonl").read_text().splitlines()
+                    if '"engine_rebalance_verdict"' in x]
+        time.sleep(0.05)
+    assert len(verdicts) == 1 and verdicts[0]["verdict"] == "worse" and verdicts[0]["layers_worse"] == [0]
+    assert daemon.metrics.get("moewatch_engine_rebalance_verdicts_total", (*GROUP, "worse")) == 1
+    assert daemon.metrics.get("moewatch_engine_rebalance_layers_worse_total", GROUP) == 1
