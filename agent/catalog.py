@@ -16,6 +16,7 @@ the operator enables them, under a cap ([measured-cardinality], docs/sources.md:
 from __future__ import annotations
 
 from .metrics import actions, connections, groups, identity, jobs
+from .metrics import engine_rebalance as er
 from .metrics import windows as w
 from .metrics.family import GROUP, LAYER, Counter, Family, Gauge, Histogram  # noqa: F401  (re-exported)
 from .metrics.windows import A2A_STEP_BUCKETS, EXPERT_LOAD_SHARE_BUCKETS, STEP_BUCKETS  # noqa: F401
@@ -47,6 +48,8 @@ METRICS: tuple[Family, ...] = (
     w.EPOCH, w.STEP_TIME, w.TOKENS_TOTAL, w.WINDOWS_TOTAL, w.LAST_WINDOW_TIMESTAMP,
     groups.RUNTIME_CONNECTED, groups.RUNTIME_FRAMES_DROPPED_TOTAL,
     actions.ACTIONS_TOTAL, actions.ROLLBACKS_TOTAL,
+    er.CALLS_TOTAL, er.LAYERS_TOTAL, er.EXPERTS_MOVED_TOTAL, er.BALANCEDNESS, er.PREDICTED_STALL, er.SOLVE_SECONDS,
+    er.VERDICTS_TOTAL, er.LAYERS_WORSE_TOTAL,
     w.LAYER_UNHEALTHY_WINDOWS,
     # --- the agent itself
     connections.FRAMES_RECEIVED_TOTAL, connections.FRAMES_REJECTED_TOTAL, connections.CONNECTIONS_REFUSED_TOTAL,

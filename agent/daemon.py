@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from moewatch import __version__, checks
+from moewatch import telemetry as tm
 from moewatch.errors import InputError
 from moewatch.integrations import registry
 from moewatch.integrations.base import Source
@@ -28,11 +29,13 @@ from moewatch.telemetry import Window
 from moewatch.triage import diagnose
 from moewatch.wire import Ack, Heartbeat, Hello
 
+from . import engine_rebalance
 from .actuation import ActuationWorker
 from .audit import AuditLog, jsonable
 from .config import AgentConfig
 from .controller import Controller
 from .exporters import make_registry, render
+from .metrics import engine_rebalance as engine_rebalance_metrics
 from .metrics.connections import (CONNECTIONS_CLOSED_TOTAL, CONNECTIONS_REFUSED_TOTAL, FRAMES_RECEIVED_TOTAL,
                                   FRAMES_REJECTED_TOTAL)
 from .metrics.groups import (GROUPS_EVICTED_TOTAL, GROUPS_RETIRED_TOTAL, RUNTIME_CONNECTED,
@@ -122,6 +125,8 @@ class Daemon:
         self.actuation: ActuationWorker | None = None
         self.started_at: float | None = None
         self.sources: dict[str, Source] = {}  # integration name -> its polled Source, where its settings configure one
+        # group -> (the engine rebalance check pending, the latest window's measured balancedness [L])
+        self._rebalance_checks: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -442,6 +447,7 @@ class Daemon:
         for window in group.take_untriaged():
             diagnosis = diagnose(window, self.cfg.thresholds)
             record_window(self.metrics, group.export, window, diagnosis, self.cfg.exporters.expert_metrics)
+            self._engine_rebalance(group, window)
             triaged = TriagedWindow(window, diagnosis, time.time())
             if not group.add_triaged(triaged):
                 continue  # the old lineage's: exported, never counted for the new runtime
@@ -451,6 +457,32 @@ class Daemon:
                     listener(group, triaged)
                 except Exception:
                     log.exception("window listener failed")
+
+    def _engine_rebalance(self, group: GroupStore, window: Window) -> None:
+        """The engine's own rebalances with moewatch's policy: audit each record the window carries,
+        and settle the check of the previous one on this window's measured balancedness."""
+        records = engine_rebalance_metrics.records_of(window)
+        if self.audit is not None:
+            for record in records:
+                self.audit.record("engine_rebalance", model=group.key[0], ep_group=group.key[1],
+                                  window_end=window.end_time, decision=record)
+        pending, previous = self._rebalance_checks.get(group.key, (None, None))
+        current = tm.balancedness(window)
+        pending, verdict = engine_rebalance.step(pending, previous, current, records,
+                                                 self.cfg.verify.rollback_balancedness_drop)
+        self._rebalance_checks[group.key] = (pending, current)
+        if verdict is None:
+            return
+        self.metrics[engine_rebalance_metrics.VERDICTS_TOTAL].inc((*group.key, verdict["verdict"]))
+        if verdict["layers_worse"]:
+            self.metrics[engine_rebalance_metrics.LAYERS_WORSE_TOTAL].inc(group.key, len(verdict["layers_worse"]))
+        if self.audit is not None:
+            self.audit.record("engine_rebalance_verdict", model=group.key[0], ep_group=group.key[1],
+                              window_end=window.end_time, **verdict)
+        if verdict["layers_worse"]:
+            log.warning("engine rebalance made layers %s of %s/%s worse (measured balancedness %s -> %s)",
+                        verdict["layers_worse"], *group.key, verdict["balancedness_before"],
+                        verdict["balancedness_after"])
 
     def export_job(self) -> None:
         self.retire_groups()
@@ -484,6 +516,7 @@ class Daemon:
         self.controller.abandon(group, f"group {how}: its runtime left")
         self.store.remove(group.key)
         self.controller.forget(group.key)
+        self._rebalance_checks.pop(group.key, None)
         self.metrics.remove_group(group.key)
         self.metrics[GROUPS_EVICTED_TOTAL if how == "evicted" else GROUPS_RETIRED_TOTAL].inc(())
         if self.audit is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import actions, windows
+from . import actions, engine_rebalance, windows
 from .family import GROUP, Counter, Gauge, families_of
 
 if TYPE_CHECKING:
@@ -30,3 +30,4 @@ def init_group(state: MetricsState, group: tuple[str, str]) -> None:
             state[actions.ACTIONS_TOTAL].inc((*group, kind, result), 0)
     for family in (actions.ROLLBACKS_TOTAL, RUNTIME_FRAMES_DROPPED_TOTAL, windows.WINDOWS_TOTAL, windows.TOKENS_TOTAL):
         state[family].inc(group, 0)
+    engine_rebalance.init_group(state, group)

@@ -16,6 +16,7 @@ from moewatch import telemetry as tm
 from moewatch.telemetry import Window
 from moewatch.triage import WindowDiagnosis
 
+from . import engine_rebalance
 from .family import GROUP, LAYER, Counter, Gauge, Histogram, Labels, families_of
 
 if TYPE_CHECKING:
@@ -162,6 +163,7 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
     for has no series (a previous window's is removed), and moewatch_layer_evidence_missing says
     which evidence was missing."""
     group = (w.model, w.ep_group)
+    engine_rebalance.record_rebalances(state, group, engine_rebalance.records_of(w))
     steps = max(w.steps, 1)
     layer_keys, rank_keys = memory.labels(group, w.num_layers, w.world_size)
     rank_load = tm.rank_load(w)

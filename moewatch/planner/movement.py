@@ -170,16 +170,23 @@ def apply_count_changes(load: np.ndarray, pmap: np.ndarray, new_counts: np.ndarr
         incoming = incoming[np.argsort(-new_weight[layer, incoming], kind="stable")]
         free = np.array(freed, dtype=np.int64)
         open_ = np.ones(free.size, dtype=bool)
+        gpus = free // S
+        nodes = gpus // G
+        # Which GPUs and nodes hold each expert, kept up to date as slots fill: a lookup per
+        # incoming replica instead of searching the row (takers are never among the freed slots).
+        on_gpu_of = np.zeros((E, num_gpus), dtype=bool)
+        on_gpu_of[row, np.arange(P) // S] = True
+        on_node_of = on_gpu_of.reshape(E, num_nodes, G).any(axis=2)
         for expert in incoming:
-            gpus = free // S
-            where = np.flatnonzero(row == expert)
-            on_gpu = np.isin(gpus, where // S)
-            on_node = np.isin(gpus // G, where // S // G) if num_nodes > 1 else np.zeros(free.size, bool)
+            on_gpu = on_gpu_of[expert, gpus]
+            on_node = on_node_of[expert, nodes] if num_nodes > 1 else np.zeros(free.size, bool)
             key = loads[gpus] / (loads.sum() + 1.0) + 2.0 * on_gpu + 1.0 * on_node + 4.0 * ~open_
             pick = int(np.argmin(key))
             slot = int(free[pick])
             row[slot] = expert
             open_[pick] = False
+            on_gpu_of[expert, slot // S] = True
+            on_node_of[expert, slot // S // G] = True
             loads[slot // S] += new_weight[layer, expert]
     return out
 

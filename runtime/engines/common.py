@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -239,6 +239,9 @@ class EngineRecorder:
         self.counters: dict[int, PairCounter] = {}
         self.layer_seconds: dict[int, float] | None = None  # set by an adapter that times layers
         self.slot_map: Callable[[], np.ndarray] | None = None  # [L, P] map in force, when slots are counted
+        # Window `extra` keys filled at each flush from what an adapter has pending (e.g. the EPLB
+        # policy's decisions since the last window); a None or empty answer adds nothing.
+        self.extra_fields: dict[str, Callable[[], Any]] = {}
         self._identity: dict = {}
         self.extra_sinks = list(sinks)
         self.sinks = (WindowSinks(settings, hello=lambda: hello_for(self._identity, runtime))
@@ -299,7 +302,7 @@ class EngineRecorder:
                 start_time=self._start_unix, end_time=time.time(), world_size=self.world_size,
                 slot_tokens=slots, physical_to_logical_map=pmap, layer_seconds=layer_seconds,
                 step_seconds=self._step_seconds if self.time_steps else None, step_tokens=self._step_tokens,
-                extra={"layer_ids": ids})
+                extra={"layer_ids": ids, **self._pending_extra()})
         except ValueError as exc:  # never take the engine down for a window: count it and go on
             self.last_error = str(exc)
             self._reset()
@@ -313,6 +316,14 @@ class EngineRecorder:
         for sink in self.extra_sinks:
             sink(window)
         return window
+
+    def _pending_extra(self) -> dict[str, Any]:
+        out = {}
+        for name, take in self.extra_fields.items():
+            value = take()
+            if value:
+                out[name] = value
+        return out
 
     def close(self) -> None:
         self.flush()

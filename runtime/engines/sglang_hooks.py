@@ -42,6 +42,7 @@ import torch
 from moewatch import wire
 from moewatch.telemetry import Window, WindowError
 
+from . import sglang_eplb
 from .common import Sink, env_sinks, logical_window
 
 log = logging.getLogger("moewatch.runtime.engines.sglang")
@@ -194,7 +195,8 @@ class TopKCounter:
                 runtime=RUNTIME, model=cfg.model, ep_group=self.ep_group, top_k=min(cfg.top_k, cfg.num_experts),
                 hidden_bytes=cfg.hidden_bytes, expert_tokens=expert, steps=steps, start_time=start, end_time=now,
                 world_size=cfg.ep_size, slot_tokens=slots, physical_to_logical_map=pmap,
-                extra={"source": {"kind": "sglang-forward-hook", "ids_outside_slots": int(delta[:, P].sum())}})
+                extra={"source": {"kind": "sglang-forward-hook", "ids_outside_slots": int(delta[:, P].sum())},
+                       **sglang_eplb.window_extra()})
         except WindowError as exc:  # never break serving over a window
             self.windows_invalid += 1
             log.warning("moewatch: window not built: %s", exc)

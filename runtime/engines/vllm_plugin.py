@@ -43,8 +43,10 @@ _state: dict = {"registered": False, "recorder": None}
 
 def register() -> None:
     """The entry point. Idempotent (vLLM may load plugins more than once per process)."""
+    from . import vllm_eplb
     from .common import EngineSettings
 
+    vllm_eplb.install_from_env()  # MOEWATCH_EPLB=1: moewatch's planner as vLLM's EPLB policy (vllm_eplb.py)
     settings = EngineSettings.from_env()
     if settings is None or _state["registered"]:
         return
@@ -114,6 +116,8 @@ def _recorder_for(moe_config):
         time_steps=on_cpu)
     if on_cpu and eager:
         rec.layer_seconds = {}
+    from . import vllm_eplb
+    rec.extra_fields["engine_rebalance"] = vllm_eplb.take_records  # the EPLB policy's decisions, when it is on
     _state["recorder"] = rec
     _state["time_layers"] = on_cpu and eager
     return rec

@@ -26,6 +26,8 @@ def drive(daemon, helpers, n_windows=3):
     names = ["imbalance-hot-experts", "comm-bound-volume", "overflow"][:n_windows]
     for i, name in enumerate(names):
         w = simulate(SCENARIOS[name], seed=i, start_time=1000.0 + 100 * i).replace(model="example")
+        if i == 0:  # what an engine's rebalance with moewatch's EPLB policy reports in its window
+            w = w.replace(extra={**w.extra, "engine_rebalance": [ENGINE_REBALANCE]})
         rt.send(w)
     rt.send(wire.Heartbeat(time=1.0, epoch=0, step=1, frames_dropped=1))
     rt.send_raw(b"MW\x01\x05\x02\x00\x00\x00{]")
@@ -33,6 +35,11 @@ def drive(daemon, helpers, n_windows=3):
     # The malformed frame is counted by the receiver on its own thread: wait for it too.
     assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_frames_rejected_total", ("malformed",)) == 1)
     return rt
+
+
+ENGINE_REBALANCE = {"engine": "vllm", "layer_outcomes": {"moved": 3, "kept_not_paying": 1}, "experts_moved": 9,
+                    "balancedness_before": 0.6, "balancedness_proposed": 0.97, "balancedness_after": 0.95,
+                    "predicted_stall_seconds": 0.2, "solve_seconds": 0.05}
 
 
 def test_live_metrics_match_the_catalogue_and_pass_promtool(start_agent, helpers):

@@ -145,3 +145,25 @@ def test_documented_snippet_is_valid_json():
     parsed = json.loads(snippet)
     assert parsed[0]["hook_factory"] == "moewatch.runtime.engines.sglang_hooks:topk_counter"
     sglang_hooks.HookConfig.from_mapping(parsed[0]["config"])
+
+
+def test_windows_carry_the_eplb_hooks_decisions_since_the_last_window(tmp_path, monkeypatch):
+    from moewatch.runtime.engines import sglang_eplb
+
+    monkeypatch.setenv("MOEWATCH_WINDOW_DIR", str(tmp_path))
+    monkeypatch.delenv("MOEWATCH_SOCKET", raising=False)
+    ids = [[torch.zeros((2, K), dtype=torch.int32)] * 2 for _ in range(L)]
+    made = []
+    real_factory = sglang_hooks.topk_counter
+    monkeypatch.setattr(sglang_hooks, "topk_counter", lambda cfg: made.append(real_factory(cfg)) or made[-1])
+    model = Model(ids)
+    register_forward_hooks(model, spec())
+    sglang_eplb.take_records()  # nothing left from another test
+    sglang_eplb._state["records"].append({"engine": "sglang", "layers_moved": 3})
+    model(torch.zeros(1, 4))
+    first = made[0].flush()
+    model(torch.zeros(1, 4))
+    second = made[0].flush()
+    made[0].close()
+    assert first.extra["engine_rebalance"] == [{"engine": "sglang", "layers_moved": 3}]
+    assert "engine_rebalance" not in second.extra

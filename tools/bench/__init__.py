@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "agent": ("moewatch.tools.bench.agent:agent", "An agent process's CPU, memory, scrape time and lag at a window size and rate."),
     "vllm": ("moewatch.tools.bench.vllm:vllm", "The vLLM plugin's cost: tokens/s active over inactive."),
     "loop": ("moewatch.tools.bench.loop:loop", "Closed loop: step time before and after the agent acts, with a control."),
+    "eplb": ("moewatch.tools.bench.eplb:eplb", "moewatch's EPLB policy against vLLM's and SGLang's own."),
 }
 # Verbs that measure nothing (no result file).
 TOOLS = {
@@ -43,6 +44,7 @@ class BenchGroup(LazyGroup):
 def bench() -> None:
     """Benchmarks: `planner` (against DeepSeek's EPLB), `probe` (overhead on the forward step), `agent`
     (one agent process at a window size and rate), `vllm` (the vLLM plugin's cost), `loop` (step time
-    before and after the agent acts); `render` writes their tables into the docs from the recorded results.
+    before and after the agent acts), `eplb` (moewatch's EPLB policy against vLLM's and SGLang's);
+    `render` writes their tables into the docs from the recorded results.
     Each measuring verb writes its result with provenance into docs/benchmarks/results/ (--results-dir, --no-record).
     """

@@ -148,3 +148,26 @@ def test_recorder_ends_a_window_after_its_seconds():
         time.sleep(0.01)  # past the window's 1 ms: the step that ends it closes the window
         rec.end_step()
     assert [w.steps for w in seen] == [1, 1] and [w.expert_tokens.tolist() for w in seen] == [[[0, 1]]] * 2
+
+
+def test_windows_carry_what_an_adapter_has_pending_and_nothing_when_it_has_none():
+    from moewatch.planner.rebalance import DecisionRecords
+
+    records = DecisionRecords(limit=2)
+    seen = []
+    rec = common.EngineRecorder(common.EngineSettings(window_steps=1), runtime="vllm", model="m", top_k=1,
+                                hidden_bytes=4, num_experts=2, weights=common.PairWeights(4, 1, "cpu"),
+                                sinks=[seen.append])
+    rec.extra_fields["engine_rebalance"] = records.take
+    counter = rec.counter(0)
+    for call in range(3):
+        records.append({"layers_moved": call})
+    for _ in range(2):
+        rec.begin_step(1)
+        counter.add(torch.tensor([[1]]))
+        rec.end_step()
+    assert len(seen) == 2
+    # at most `limit` pending: the oldest was dropped and counted
+    assert seen[0].extra["engine_rebalance"] == [{"layers_moved": 1}, {"layers_moved": 2}] and records.dropped == 1
+    assert "engine_rebalance" not in seen[1].extra
+    assert Window.from_json(seen[0].to_json()).extra["engine_rebalance"] == [{"layers_moved": 1}, {"layers_moved": 2}]

@@ -1,0 +1,183 @@
+"""moewatch's planner inside SGLang's live expert rebalancing: a `sglang.srt.plugins` entry point
+(pyproject.toml), which SGLang loads in every scheduler process before the scheduler is built.
+With MOEWATCH_EPLB=1 it registers an AROUND hook with SGLang's HookRegistry on
+`sglang.srt.eplb.eplb_algorithms.rebalance_experts`, the function every rank calls independently
+when it rebalances (`--enable-eplb`, every `--eplb-rebalance-num-iterations`) and when it builds
+a placement from counts at start. Unset, nothing is registered.
+
+The hook answers with moewatch.planner.rebalance.gated_rebalance: the load is SGLang's
+tokens_per_expert summed over its windows [X, L, E] -> [L, E]; the current map, for minimal
+movement and the per-layer gate, is the one SGLang publishes in
+`get_global_expert_location_metadata()` (absent at start: placed afresh); node-aware when
+num_nodes > 1; num_groups is not used. It returns SGLang's three tensors: physical_to_logical_map
+[L, P] int64, logical_to_physical_map [L, E, max replicas] (slots in increasing order, -1 padded),
+and the replica counts [L, E] int64. The elasticity-aware algorithms (ranks that come and go) and
+any error inside go to SGLang's own function, counted and logged once.
+
+The interface is checked when the plugin loads (the function's parameters, the metadata getter);
+when it differs, SGLang's algorithm is left alone with one warning naming the SGLang version.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from moewatch.planner.placement_math import replica_counts_of
+from moewatch.planner.rebalance import (DecisionRecords, RebalanceDecision, RebalanceSettings, gated_rebalance,
+                                        switched_on)
+
+logger = logging.getLogger("moewatch.sglang.eplb")
+
+TARGET = "sglang.srt.eplb.eplb_algorithms.rebalance_experts"
+EXPECTED_PARAMETERS = ("tokens_per_expert", "num_physical_experts", "num_local_physical_experts", "num_groups",
+                       "num_nodes", "algorithm")
+
+# Per process, never part of a decision.
+_state: dict[str, Any] = {"registered": False, "fallbacks": 0, "last_decision": None, "records": DecisionRecords(),
+                          "settings": None}
+
+
+def register(environ=os.environ) -> bool:
+    """The entry point: register the hook when MOEWATCH_EPLB is on; True when it is registered.
+    Idempotent; never raises (a bad setting or another interface leaves SGLang's algorithm)."""
+    if not switched_on(environ):
+        return False
+    if _state["registered"]:
+        return True
+    try:
+        settings = RebalanceSettings.from_env(environ)
+    except ValueError as exc:
+        logger.warning("moewatch: %s; SGLang's own EPLB algorithm stays", exc)
+        return False
+    try:
+        from sglang.srt.eplb import eplb_algorithms, expert_location
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except ImportError as exc:
+        logger.warning("moewatch: SGLang %s lacks what the EPLB hook needs (%s); SGLang's own algorithm stays",
+                       _sglang_version(), exc)
+        return False
+    problem = interface_problem(eplb_algorithms, expert_location)
+    if problem is not None:
+        logger.warning("moewatch: SGLang %s: %s; SGLang's own EPLB algorithm stays", _sglang_version(), problem)
+        return False
+    _state.update(settings=settings, registered=True)
+    HookRegistry.register(TARGET, rebalance_around, HookType.AROUND)
+    logger.info("moewatch: SGLang's rebalance_experts answers with moewatch's planner (settings %s)",
+                settings.to_dict())
+    return True
+
+
+def interface_problem(eplb_algorithms, expert_location) -> str | None:
+    """What in SGLang's EPLB modules differs from what this hook was written for, or None."""
+    function = getattr(eplb_algorithms, "rebalance_experts", None)
+    if function is None:
+        return "no eplb_algorithms.rebalance_experts"
+    names = tuple(inspect.signature(inspect.unwrap(function)).parameters)
+    if names != EXPECTED_PARAMETERS:
+        return f"rebalance_experts takes {names}, expected {EXPECTED_PARAMETERS}"
+    if not hasattr(expert_location, "get_global_expert_location_metadata"):
+        return "no expert_location.get_global_expert_location_metadata"
+    if not hasattr(eplb_algorithms, "EplbAlgorithm"):
+        return "no EplbAlgorithm"
+    return None
+
+
+def rebalance_around(original, *args, **kwargs):
+    """SGLang's AROUND hook: moewatch's answer, or `original`'s for the elastic algorithms and on error."""
+    try:
+        bound = inspect.signature(inspect.unwrap(original)).bind(*args, **kwargs)
+        algorithm = getattr(bound.arguments["algorithm"], "name", str(bound.arguments["algorithm"]))
+        if algorithm.startswith("elasticity_aware"):
+            return original(*args, **kwargs)
+        values = bound.arguments
+        tensors, decision = decide(values["tokens_per_expert"], values["num_physical_experts"],
+                                   values["num_local_physical_experts"], values["num_nodes"],
+                                   current_map(), _state["settings"] or RebalanceSettings())
+    except Exception as exc:  # never into SGLang's rebalance: its own algorithm's answer instead
+        _state["fallbacks"] += 1
+        if _state["fallbacks"] == 1:
+            logger.warning("moewatch: EPLB hook failed (%s: %s); SGLang's own algorithm answers this call and any "
+                           "later failure (counted, not logged again)", type(exc).__name__, exc, exc_info=exc)
+        _state["last_decision"] = None
+        _state["records"].append({"engine": "sglang", "fallback": True, "error": f"{type(exc).__name__}: {exc}"})
+        return original(*args, **kwargs)
+    _state["last_decision"] = decision
+    _state["records"].append({"engine": "sglang", **decision.record()})
+    return tensors
+
+
+def current_map() -> np.ndarray | None:
+    """[L, P] the map SGLang runs now, from its published expert-location metadata (None before)."""
+    from sglang.srt.eplb import expert_location
+
+    metadata = expert_location.get_global_expert_location_metadata()
+    if metadata is None:
+        return None
+    return metadata.physical_to_logical_map_cpu.numpy()
+
+
+def decide(tokens_per_expert, num_physical_experts: int, num_local_physical_experts: int, num_nodes: int,
+           current: np.ndarray | None, settings: RebalanceSettings) -> tuple[tuple, RebalanceDecision]:
+    """SGLang's arguments -> ((phy2log, log2phy, logcnt) CPU tensors, the decision)."""
+    import torch
+
+    counts = tokens_per_expert.detach().cpu().double() if hasattr(tokens_per_expert, "detach") \
+        else torch.as_tensor(np.asarray(tokens_per_expert, dtype=np.float64))
+    load = (counts.sum(dim=0) if counts.dim() == 3 else counts).numpy()
+    P, S = int(num_physical_experts), int(num_local_physical_experts)
+    W = P // S
+    nodes = int(num_nodes) if int(num_nodes) > 0 and W % int(num_nodes) == 0 else 1
+    decision = gated_rebalance(load, P, W, nodes, current=current, settings=settings)
+    pmap = np.ascontiguousarray(decision.physical_to_logical_map, dtype=np.int64)
+    logical_to_physical, replica_counts = logical_maps(pmap, load.shape[1])
+    return (torch.from_numpy(pmap), torch.from_numpy(logical_to_physical), torch.from_numpy(replica_counts)), decision
+
+
+def logical_maps(pmap: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """[L, P] placement -> ([L, E, R] slots of each expert in increasing order, -1 padded, R the most
+    replicas of any expert; [L, E] replica counts), int64."""
+    L, P = pmap.shape
+    counts = replica_counts_of(pmap, num_experts).astype(np.int64)
+    R = int(counts.max())
+    order = np.argsort(pmap, axis=1, kind="stable")  # slots grouped by expert, increasing within one
+    experts = np.take_along_axis(pmap, order, axis=1)
+    starts = np.cumsum(counts, axis=1) - counts  # [L, E] first position of each expert in `order`
+    rank = np.arange(P)[None, :] - np.take_along_axis(starts, experts, axis=1)
+    out = np.full((L, num_experts, R), -1, dtype=np.int64)
+    out[np.arange(L)[:, None], experts, rank] = order
+    return out, counts
+
+
+def fallbacks() -> int:
+    """How many calls in this process returned SGLang's own algorithm's result after an error."""
+    return int(_state["fallbacks"])
+
+
+def last_decision() -> RebalanceDecision | None:
+    return _state["last_decision"]
+
+
+def take_records() -> list[dict[str, Any]]:
+    """The records of this process's policy calls since the last take (decisions and fallbacks),
+    for the windows the adapter sends (`extra["engine_rebalance"]`)."""
+    return _state["records"].take()
+
+
+def window_extra() -> dict[str, Any]:
+    """{"engine_rebalance": records} for the forward hook's next window, or {} when none is pending."""
+    records = take_records()
+    return {"engine_rebalance": records} if records else {}
+
+
+def _sglang_version() -> str:
+    try:
+        import sglang
+
+        return str(getattr(sglang, "__version__", "unknown"))
+    except Exception:
+        return "unknown"

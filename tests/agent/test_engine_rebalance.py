@@ -1,0 +1,113 @@
+"""Windows carrying the engine rebalance records of moewatch's EPLB policy (extra.engine_rebalance):
+exported as moewatch_engine_rebalance_* and written to the audit log as engine_rebalance; records
+that are not well formed are left out."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from moewatch.agent.metrics.state import MetricsState
+from moewatch.agent.metrics.windows import GroupExportMemory, record_window
+from moewatch.planner.placement_math import contiguous_placement
+from moewatch.planner.rebalance import RebalanceSettings, gated_rebalance
+from moewatch.triage import diagnose
+
+W, L, E, P = 4, 2, 8, 12
+GROUP = ("m", "g")
+
+
+def records(helpers):
+    load = helpers.hot_load(L, E, hot=0)
+    decision = gated_rebalance(load, P, W, 1, current=contiguous_placement(L, E, P),
+                               settings=RebalanceSettings(expert_bytes=1.0))
+    return decision, [{"engine": "vllm", **decision.record()},
+                      {"engine": "vllm", "fallback": True, "error": "RuntimeError: injected"},
+                      {"engine": "vllm"}, "not a record"]
+
+
+def window_with(helpers, carried):
+    load, pmap = helpers.hot_load(L, E, hot=0), helpers.contiguous(L, E, P)
+    w = helpers.make_window(load, pmap, W)
+    return w.replace(extra={**w.extra, "engine_rebalance": carried})
+
+
+def test_records_are_counted_and_the_latest_predictions_exported(helpers):
+    decision, carried = records(helpers)
+    state = MetricsState()
+    w = window_with(helpers, carried)
+    record_window(state, GroupExportMemory(), w, diagnose(w), expert_metrics=False)
+    assert state.get("moewatch_engine_rebalance_calls_total", (*GROUP, "vllm", "decided")) == 1
+    assert state.get("moewatch_engine_rebalance_calls_total", (*GROUP, "vllm", "fallback")) == 1
+    assert state.get("moewatch_engine_rebalance_layers_total", (*GROUP, "moved")) == L
+    assert state.get("moewatch_engine_rebalance_experts_moved_total", GROUP) == int(decision.experts_moved.sum()) > 0
+    after = state.get("moewatch_engine_rebalance_balancedness_ratio", (*GROUP, "after"))
+    before = state.get("moewatch_engine_rebalance_balancedness_ratio", (*GROUP, "before"))
+    assert after == float(decision.balancedness_after.mean()) > before
+    assert state.get("moewatch_engine_rebalance_solve_seconds", GROUP) == decision.solve_seconds
+
+
+def test_the_agent_audits_each_engine_rebalance(helpers, start_agent, short_tmp):
+    daemon = start_agent()
+    decision, carried = records(helpers)
+    assert daemon.ingest_window(window_with(helpers, carried)) is None
+    deadline = time.monotonic() + 10
+    lines = []
+    while time.monotonic() < deadline:
+        daemon.audit.sync()
+        text = (short_tmp / "audit.jsonl").read_text()
+        lines = [json.loads(x) for x in text.splitlines() if '"engine_rebalance"' in x]
+        if len(lines) == 2:
+            break
+        time.sleep(0.05)
+    assert [line["event"] for line in lines] == ["engine_rebalance"] * 2
+    assert [line["decision"].get("fallback", False) for line in lines] == [False, True]
+    assert lines[0]["model"] == "m" and lines[0]["ep_group"] == "g"
+    assert lines[0]["decision"]["experts_moved"] == int(decision.experts_moved.sum())
+    assert np.isclose(lines[0]["decision"]["balancedness_after"], float(decision.balancedness_after.mean()))
+
+
+def test_a_rebalance_is_checked_on_the_next_window_and_a_worse_layer_reported():
+    from moewatch.agent import engine_rebalance as er
+
+    record = {"engine": "vllm", "layers_by_reason": {"moved": [0, 2], "kept: no load": [1]}}
+    fallback = {"engine": "vllm", "fallback": True, "layers_by_reason": {"moved": [1]}}
+    assert er.moved_layers([record, fallback, {"layers_by_reason": {"moved": ["x", True]}}]) == (0, 2)
+    before = np.array([0.90, 0.50, 0.80])
+    pending, verdict = er.step(None, before, np.array([0.9, 0.5, 0.8]), [record], drop=0.05)
+    assert verdict is None and pending.before == {0: 0.90, 2: 0.80}
+    # unmeasured next window: still pending
+    assert er.step(pending, None, None, [], 0.05) == (pending, None)
+    pending, verdict = er.step(pending, np.array([0.9, 0.5, 0.8]), np.array([0.95, 0.1, 0.70]), [], drop=0.05)
+    assert pending is None
+    assert verdict["verdict"] == "worse" and verdict["layers_checked"] == [0, 2] and verdict["layers_worse"] == [2]
+    _, fine = er.step(er.PendingCheck({0: 0.9}), None, np.array([0.88]), [], drop=0.05)
+    assert fine["verdict"] == "not_worse" and fine["layers_worse"] == []
+    # no window before the rebalance: nothing to compare with
+    assert er.step(None, None, before, [record], 0.05) == (None, None)
+
+
+def test_the_agent_reports_a_rebalance_that_made_a_layer_worse(helpers, start_agent, short_tmp):
+    daemon = start_agent()
+    pmap = helpers.contiguous(L, E, P)
+    even = helpers.make_window(np.full((L, E), 100, dtype=np.int64), pmap, W, start_time=1000.0)
+    moved = {"engine": "vllm", "fallback": False, "layer_outcomes": {"moved": 1, "kept_idle": 1},
+             "layers_by_reason": {"moved": [0]}, "experts_moved": 4}
+    skewed = helpers.hot_load(L, E, hot=0)
+    windows = [even, helpers.make_window(np.full((L, E), 100, dtype=np.int64), pmap, W, start_time=1010.0),
+               helpers.make_window(skewed, pmap, W, start_time=1020.0)]
+    windows[1] = windows[1].replace(extra={**windows[1].extra, "engine_rebalance": [moved]})
+    for w in windows:
+        assert daemon.ingest_window(w) is None
+    deadline = time.monotonic() + 10
+    verdicts = []
+    while time.monotonic() < deadline and not verdicts:
+        daemon.audit.sync()
+        verdicts = [json.loads(x) for x in (short_tmp / "audit.jsonl").read_text().splitlines()
+                    if '"engine_rebalance_verdict"' in x]
+        time.sleep(0.05)
+    assert len(verdicts) == 1 and verdicts[0]["verdict"] == "worse" and verdicts[0]["layers_worse"] == [0]
+    assert daemon.metrics.get("moewatch_engine_rebalance_verdicts_total", (*GROUP, "worse")) == 1
+    assert daemon.metrics.get("moewatch_engine_rebalance_layers_worse_total", GROUP) == 1

@@ -1,0 +1,52 @@
+"""The figures and goals of `moewatch bench eplb`, on hand-made maps (the bench itself runs the
+engines in their environments and is not a test)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moewatch.planner.placement_math import contiguous_placement
+from moewatch.tools.bench import eplb as bench
+
+L, E, P, W = 2, 8, 8, 4
+
+
+def test_steady_scenarios_replay_one_window_and_drift_changes():
+    steady = bench.scenario_loads("zipf", 3, L, E, 1000, 0)
+    assert steady.shape == (3, L, E) and (steady == steady[0]).all() and (steady.sum(axis=2) == 1000).all()
+    drift = bench.scenario_loads("drift", 3, L, E, 1000, 0)
+    assert not (drift[1] == drift[0]).all()
+
+
+def test_figures_count_moves_from_the_previous_map_and_balancedness_on_each_window():
+    loads = np.array([[[4, 4, 1, 1, 1, 1, 0, 0]] * L] * 2, dtype=np.int64)
+    start = contiguous_placement(L, E, P)
+    swapped = start.copy()
+    swapped[:, [1, 2]] = swapped[:, [2, 1]]  # the two heavy experts on different GPUs
+    maps = np.stack([swapped, swapped])
+    decision = {"layers_by_reason": {"kept: the predicted gain does not pay for the stall": [0, 1]}}
+    f = bench.policy_figures(loads, maps, [0.1, 0.3], [None, decision], W, P)
+    assert f["experts_moved"] == [2 * L, 0] and f["experts_moved_total"] == 2 * L
+    assert f["balancedness_after"] == [3.0 / 5.0, 3.0 / 5.0]  # GPU loads 5, 5, 2, 0: mean 3 over max 5
+    assert f["layers_kept_by_gate"] == [0, 2] and f["rebalances_skipped_by_gate"] == 1
+    assert f["solve_seconds_median"] == 0.2
+
+
+def test_goals_pass_and_fail_on_the_issues_terms():
+    def figures(bal, moved, seconds):
+        return {"balancedness_after": bal, "experts_moved": moved, "experts_moved_total": sum(moved),
+                "solve_seconds": seconds}
+
+    good = {"zipf": {"moewatch": figures([0.99, 0.99], [30, 0], [0.1, 0.1]),
+                     "vllm_default": figures([0.98, 0.98], [100, 90], [0.3, 0.3]),
+                     "sglang_deepseek": figures([0.99, 0.99], [100, 100], [0.3, 0.3])}}
+    got = bench.goals(good)
+    assert set(got) == {"steady_load_moves_nothing_after_first",
+                        *(f"{goal}_{other}" for goal in ("moved_at_most_a_third_of", "solve_time_at_most_half_of")
+                          for other in ("vllm_default", "sglang_deepseek")),
+                        *(f"balancedness_at_least_{other}_every_interval"
+                          for other in ("vllm_default", "sglang_deepseek"))}
+    assert all(got.values()), got
+    bad = {"zipf": {"moewatch": figures([0.97, 0.99], [30, 40], [0.2, 0.2]),
+                    "vllm_default": figures([0.98, 0.98], [100, 90], [0.3, 0.3])}}
+    assert not any(bench.goals(bad).values())

@@ -1,0 +1,286 @@
+"""`moewatch bench eplb`: moewatch's EPLB policy against vLLM's default policy and SGLang's `deepseek`
+algorithm, each called through the engine's own function, on the same loads in one run.
+
+Loads are production-shaped pair counts per rebalance window (61 layers x 256 experts, 320 slots,
+64 ranks on 8 nodes by default): lognormal, Zipf and hot-expert popularity replayed unchanged
+(`--steady-intervals` rebalances each: the first places, the later ones should move nothing), and a
+drifting load over `--drift-intervals` rebalances (tools.synthetic.drifted). Each window holds
+window_steps x pairs_per_step pairs per layer, multinomial over the popularity.
+
+vLLM's part runs in vLLM's environment (--vllm-python: its DefaultEplbPolicy and moewatch's policy
+behind the same interface, as vLLM would call it, each from its own previous map), SGLang's in
+SGLang's (--sglang-python: eplb_algorithms.rebalance_experts with EplbAlgorithm.deepseek, which is
+not given a map); each in a subprocess that writes its maps and call times. The figures are
+computed here: balancedness after each rebalance on the load it was solved for (and, drifting, on
+the next window's load), slots moved per rebalance, call seconds, layers the gate kept. Goals
+(issue 17) are pass/fail keys under "goals".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
+STEADY = ("lognormal", "zipf", "hot")
+
+
+def scenario_loads(kind: str, intervals: int, layers: int, experts: int, pairs_per_window: int,
+                   seed: int) -> np.ndarray:
+    """[T, L, E] int64 pair counts, one per rebalance window: a steady kind replays one window;
+    "drift" draws a fresh window from a popularity that drifts between windows."""
+    from moewatch.tools import synthetic
+
+    rng = np.random.default_rng(seed)
+    if kind in STEADY:
+        probabilities = synthetic.popularity(kind, layers, experts, rng)
+        window = synthetic.sample_load(probabilities, pairs_per_window, rng)
+        return np.repeat(window[None], intervals, axis=0)
+    probabilities = synthetic.popularity("lognormal", layers, experts, rng)
+    out = []
+    for _ in range(intervals):
+        out.append(synthetic.sample_load(probabilities, pairs_per_window, rng))
+        probabilities = synthetic.drifted(probabilities, rng)
+    return np.stack(out)
+
+
+# --- inside an engine's environment -------------------------------------------------------------------
+
+def run_vllm_policies(loads: np.ndarray, shape: dict[str, int], environ: dict[str, str]) -> dict[str, Any]:
+    """vLLM's default policy and moewatch's (vllm_eplb, as installed by the plugin) over the windows,
+    each from its own previous map; -> {policy: {"maps": [T, L, P], "seconds": [T], "decisions"}}."""
+    import torch
+    from vllm.distributed.eplb.policy import AbstractEplbPolicy
+    from vllm.distributed.eplb.policy.default import DefaultEplbPolicy
+
+    from moewatch.planner.placement_math import contiguous_placement
+    from moewatch.planner.rebalance import RebalanceSettings
+
+    from moewatch.runtime.engines import vllm_eplb
+
+    settings = RebalanceSettings.from_env(environ)
+    ours = vllm_eplb.make_policy(AbstractEplbPolicy, DefaultEplbPolicy, settings)
+    P, W, N, groups = shape["slots"], shape["ranks"], shape["nodes"], shape["groups"]
+    out: dict[str, Any] = {}
+    for name, policy in (("vllm_default", DefaultEplbPolicy), ("moewatch", ours)):
+        current = torch.from_numpy(contiguous_placement(loads.shape[1], loads.shape[2], P).astype(np.int64))
+        maps, seconds, decisions = [], [], []
+        for window in loads:
+            started = time.perf_counter()
+            current = policy.rebalance_experts(torch.from_numpy(window), P, groups, N, W, current)
+            seconds.append(time.perf_counter() - started)
+            maps.append(current.numpy().copy())
+            if name == "moewatch":
+                decision = vllm_eplb.last_decision()
+                decisions.append(None if decision is None else decision.record())
+        out[name] = {"maps": np.stack(maps), "seconds": seconds, "decisions": decisions,
+                     "fallbacks": vllm_eplb.fallbacks() if name == "moewatch" else 0}
+    return out
+
+
+def run_sglang_deepseek(loads: np.ndarray, shape: dict[str, int]) -> dict[str, Any]:
+    """SGLang's `deepseek` algorithm through eplb_algorithms.rebalance_experts, one call per window."""
+    import torch
+    from sglang.srt.eplb import eplb_algorithms
+
+    P, W, N, groups = shape["slots"], shape["ranks"], shape["nodes"], shape["groups"]
+    maps, seconds = [], []
+    for window in loads:
+        started = time.perf_counter()
+        phy2log, _, _ = eplb_algorithms.rebalance_experts(
+            tokens_per_expert=torch.from_numpy(window)[None], num_physical_experts=P,
+            num_local_physical_experts=P // W, num_groups=groups, num_nodes=N,
+            algorithm=eplb_algorithms.EplbAlgorithm.deepseek)
+        seconds.append(time.perf_counter() - started)
+        maps.append(phy2log.numpy().astype(np.int64))
+    return {"sglang_deepseek": {"maps": np.stack(maps), "seconds": seconds, "decisions": [], "fallbacks": 0}}
+
+
+def worker(engine: str, folder: str) -> None:
+    """Entry in the engine's environment: reads loads.npz and shape.json from `folder`, writes
+    <engine>.npz (maps) and <engine>.json (seconds, decisions)."""
+    base = Path(folder)
+    shape = json.loads((base / "shape.json").read_text())
+    with np.load(base / "loads.npz") as data:
+        scenarios = {name: data[name] for name in data.files}
+    maps: dict[str, np.ndarray] = {}
+    facts: dict[str, Any] = {}
+    for scenario, loads in scenarios.items():
+        result = (run_vllm_policies(loads, shape, dict(os.environ)) if engine == "vllm"
+                  else run_sglang_deepseek(loads, shape))
+        for policy, got in result.items():
+            maps[f"{scenario}/{policy}"] = got.pop("maps")
+            facts[f"{scenario}/{policy}"] = got
+    np.savez(base / f"{engine}.npz", **maps)
+    (base / f"{engine}.json").write_text(json.dumps(facts))
+
+
+# --- here: the figures -------------------------------------------------------------------------------
+
+def policy_figures(loads: np.ndarray, maps: np.ndarray, seconds: list[float], decisions: list, ranks: int,
+                   slots: int) -> dict[str, Any]:
+    """[T, L, E] loads, [T, L, P] maps after each rebalance -> per-rebalance figures."""
+    from moewatch.planner.placement_math import placement_balancedness, contiguous_placement
+
+    T, L, E = loads.shape
+    before = np.concatenate([contiguous_placement(L, E, slots)[None], maps[:-1]])
+    bal = [float(placement_balancedness(loads[t], maps[t], ranks).mean()) for t in range(T)]
+    bal_next = [float(placement_balancedness(loads[t + 1], maps[t], ranks).mean()) for t in range(T - 1)]
+    moved = [int((maps[t] != before[t]).sum()) for t in range(T)]
+    kept_by_gate = [sum(len(v) for k, v in (d or {}).get("layers_by_reason", {}).items() if "does not pay" in k)
+                    for d in decisions]
+    return {
+        "balancedness_after": bal,
+        "balancedness_proposed": [d.get("balancedness_proposed") for d in decisions if d] or None,
+        "balancedness_on_next_window": bal_next,
+        "experts_moved": moved,
+        "experts_moved_total": int(sum(moved)),
+        "solve_seconds": seconds,
+        "solve_seconds_median": float(np.median(seconds)),
+        "layers_kept_by_gate": kept_by_gate,
+        "rebalances_skipped_by_gate": int(sum(1 for d, m in zip(decisions, moved) if d and m == 0
+                                              and any("does not pay" in k for k in d["layers_by_reason"]))),
+    }
+
+
+def goals(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
+    """Issue 17's goals, against each engine's own algorithm present in the run: balancedness at least
+    its own after every rebalance, at most a third of its slots moved, at most half its median call
+    time; and on a steady load, nothing moved after the first rebalance."""
+    out: dict[str, bool] = {"steady_load_moves_nothing_after_first": True}
+    others = sorted({p for policies in results.values() for p in policies if p != "moewatch"})
+    seconds: dict[str, list[float]] = {p: [] for p in ["moewatch", *others]}
+    for other in others:
+        out[f"balancedness_at_least_{other}_every_interval"] = True
+        out[f"moved_at_most_a_third_of_{other}"] = True
+    for scenario, policies in results.items():
+        ours = policies["moewatch"]
+        seconds["moewatch"] += ours["solve_seconds"]
+        for other in others:
+            theirs = policies.get(other)
+            if theirs is None:
+                continue
+            seconds[other] += theirs["solve_seconds"]
+            if any(a < b - 1e-9 for a, b in zip(ours["balancedness_after"], theirs["balancedness_after"])):
+                out[f"balancedness_at_least_{other}_every_interval"] = False
+            if ours["experts_moved_total"] * 3 > theirs["experts_moved_total"]:
+                out[f"moved_at_most_a_third_of_{other}"] = False
+        if scenario in STEADY and any(ours["experts_moved"][1:]):
+            out["steady_load_moves_nothing_after_first"] = False
+    for other in others:
+        out[f"solve_time_at_most_half_of_{other}"] = bool(
+            np.median(seconds["moewatch"]) <= 0.5 * np.median(seconds[other]))
+    return out
+
+
+def run_bench(layers: int, experts: int, slots: int, ranks: int, nodes: int, groups: int, steady_intervals: int,
+              drift_intervals: int, window_steps: int, pairs_per_step: int, seed: int, vllm_python: str,
+              sglang_python: str, environ: dict[str, str]) -> dict[str, Any]:
+    shape = {"layers": layers, "experts": experts, "slots": slots, "ranks": ranks, "nodes": nodes, "groups": groups}
+    pairs = window_steps * pairs_per_step
+    scenarios = {kind: scenario_loads(kind, steady_intervals, layers, experts, pairs, seed + i)
+                 for i, kind in enumerate(STEADY)}
+    scenarios["drift"] = scenario_loads("drift", drift_intervals, layers, experts, pairs, seed + 10)
+    env = {k: v for k, v in environ.items() if not k.startswith("MOEWATCH_EPLB")}
+    env.update({k: v for k, v in environ.items() if k.startswith("MOEWATCH_EPLB_")})
+    env["MOEWATCH_EPLB_WINDOW_STEPS"] = str(window_steps)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="moewatch-eplb-") as folder:
+        base = Path(folder)
+        (base / "shape.json").write_text(json.dumps(shape))
+        np.savez(base / "loads.npz", **scenarios)
+        for engine, python in (("vllm", vllm_python), ("sglang", sglang_python)):
+            proc = subprocess.run([python, "-m", "moewatch.tools.bench.eplb", engine, folder], env=env,
+                                  capture_output=True, text=True, timeout=3600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{engine}'s part failed ({python}): {proc.stderr[-3000:]}")
+        maps: dict[str, np.ndarray] = {}
+        facts: dict[str, Any] = {}
+        for engine in ("vllm", "sglang"):
+            with np.load(base / f"{engine}.npz") as data:
+                maps.update({name: data[name] for name in data.files})
+            facts.update(json.loads((base / f"{engine}.json").read_text()))
+    results: dict[str, dict[str, Any]] = {}
+    for key, pmaps in maps.items():
+        scenario, policy = key.split("/")
+        got = facts[key]
+        figures = policy_figures(scenarios[scenario], pmaps, got["seconds"], got["decisions"], ranks, slots)
+        figures["fallbacks"] = got["fallbacks"]
+        results.setdefault(scenario, {})[policy] = figures
+    return {"shape": {**shape, "window_steps": window_steps, "pairs_per_step": pairs_per_step,
+                      "steady_intervals": steady_intervals, "drift_intervals": drift_intervals},
+            "settings": {k: v for k, v in env.items() if k.startswith("MOEWATCH_EPLB_")},
+            "results": results, "goals": goals(results), "wall_seconds": time.perf_counter() - started,
+            "load_average": list(os.getloadavg())}
+
+
+def _eplb_command():
+    import click
+
+    @click.command("eplb")
+    @click.option("--layers", type=click.IntRange(1), default=61, show_default=True)
+    @click.option("--experts", type=click.IntRange(1), default=256, show_default=True)
+    @click.option("--slots", type=click.IntRange(1), default=320, show_default=True)
+    @click.option("--ranks", type=click.IntRange(1), default=64, show_default=True)
+    @click.option("--nodes", type=click.IntRange(1), default=8, show_default=True)
+    @click.option("--groups", type=click.IntRange(1), default=8, show_default=True,
+                  help="expert groups (DeepSeek-V3's n_group), passed to the engines' policies")
+    @click.option("--steady-intervals", type=click.IntRange(1), default=3, show_default=True)
+    @click.option("--drift-intervals", type=click.IntRange(2), default=20, show_default=True)
+    @click.option("--window-steps", type=click.IntRange(1), default=1000, show_default=True,
+                  help="steps per rebalance window (vLLM's window_size)")
+    @click.option("--pairs-per-step", type=click.IntRange(1), default=64 * 256 * 8, show_default=True,
+                  help="pairs per layer per step over the EP group (64 ranks x 256 tokens x top-8)")
+    @click.option("--seed", type=int, default=0, show_default=True)
+    @click.option("--vllm-python", default=DEFAULT_VLLM_PYTHON, show_default=True)
+    @click.option("--sglang-python", default=sys.executable, show_default=True,
+                  help="a Python with SGLang installed (default: this one)")
+    @click.option("--json", "as_json", is_flag=True, help="machine output only")
+    def eplb(layers, experts, slots, ranks, nodes, groups, steady_intervals, drift_intervals, window_steps,
+             pairs_per_step, seed, vllm_python, sglang_python, as_json) -> None:
+        """moewatch's EPLB policy against vLLM's default and SGLang's deepseek, through their own functions.
+        Gate settings come from MOEWATCH_EPLB_* (docs/integrations.md)."""
+        from moewatch.planner.placement_math import PlacementShapeError, check_sizes
+
+        try:
+            check_sizes(experts, slots, ranks, nodes)
+        except PlacementShapeError as exc:
+            raise click.BadParameter(str(exc)) from None
+        for python in (vllm_python, sglang_python):
+            if not Path(python).is_file():
+                raise click.ClickException(f"{python} is missing (`make vllm-env` builds vLLM's environment)")
+        try:
+            report = run_bench(layers, experts, slots, ranks, nodes, groups, steady_intervals, drift_intervals,
+                               window_steps, pairs_per_step, seed, vllm_python, sglang_python, dict(os.environ))
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
+        if as_json:
+            click.echo(json.dumps(report))
+            return
+        for scenario, policies in report["results"].items():
+            for policy, f in policies.items():
+                click.echo(f"{scenario:9s} {policy:15s} balancedness {min(f['balancedness_after']):.3f}-"
+                           f"{max(f['balancedness_after']):.3f}  moved {f['experts_moved_total']:6d}  "
+                           f"solve median {f['solve_seconds_median'] * 1e3:8.1f} ms  kept by gate "
+                           f"{sum(f['layers_kept_by_gate'])}")
+        click.echo("goals: " + ", ".join(f"{k} {'pass' if v else 'FAIL'}" for k, v in report["goals"].items()))
+
+    return eplb
+
+
+try:
+    eplb = _eplb_command()
+except ImportError:  # an engine's environment without click runs only the worker
+    eplb = None
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])
