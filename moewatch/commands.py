@@ -106,6 +106,8 @@ def format_summary(diagnosis: WindowDiagnosis) -> str:
     if s["hot_experts_across_layers"]:
         hot = ", ".join(f"{h['expert']} in {h['layers']} layers" for h in s["hot_experts_across_layers"][:5])
         lines.append(f"experts hot across layers: {hot}")
+    if s.get("a2a_step_share") is not None:
+        lines.append(f"all-to-all: {s['a2a_step_share']:.0%} of step time (per step, all layers together)")
     if s["step_p99_seconds"] is not None:
         lines.append(f"step p50 {s['step_p50_seconds'] * 1e3:.2f} ms, p99 {s['step_p99_seconds'] * 1e3:.2f} ms")
     return "\n".join(lines)
