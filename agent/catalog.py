@@ -108,6 +108,24 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moewatch_rollbacks_total", "counter", GROUP, "Plans rolled back after verification."),
     MetricSpec("moewatch_layer_unhealthy_windows", "gauge", LAYER,
                "Consecutive windows with a verdict other than healthy."),
+    # --- per EP group, the engine's own SLO signals over the latest scrape interval (slo: section)
+    MetricSpec("moewatch_slo_latency_seconds", "gauge", (*GROUP, "signal", "percentile"),
+               "The engine's latency percentile over the latest scrape interval, from its histogram buckets "
+               "(signal: ttft, itl, tpot, e2e, queue; percentile: p50, p90, p99)."),
+    MetricSpec("moewatch_slo_requests", "gauge", (*GROUP, "state"),
+               "The engine's requests by state (running, waiting) at the latest scrape."),
+    MetricSpec("moewatch_slo_target_seconds", "gauge", (*GROUP, "slo"),
+               "The SLO target the agent judges by (ttft_p99, tpot_p99)."),
+    MetricSpec("moewatch_slo_breached", "gauge", (*GROUP, "slo"),
+               "1 while the SLO (ttft_p99, tpot_p99) is over its target, 0 while met."),
+    MetricSpec("moewatch_slo_breached_seconds", "gauge", (*GROUP, "slo"),
+               "How long the SLO has been over its target (absent while met)."),
+    MetricSpec("moewatch_slo_moe_explained", "gauge", GROUP,
+               "While an SLO is breached: 1 when the unhealthy MoE layers' seconds at stake explain it, 0 when "
+               "the cause is elsewhere (absent when unknown or nothing is breached)."),
+    MetricSpec("moewatch_slo_moe_share_ratio", "gauge", GROUP,
+               "While an SLO is breached: the unhealthy MoE layers' seconds at stake per step over the "
+               "inter-token latency p99."),
     # --- the agent itself
     MetricSpec("moewatch_frames_received_total", "counter", ("type",), "Frames received, by type."),
     MetricSpec("moewatch_frames_rejected_total", "counter", ("reason",),

@@ -360,7 +360,41 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
         state.inc("moewatch_tokens_total", group, int(w.step_tokens.sum()))
     state.inc("moewatch_windows_total", group)
     state.set("moewatch_last_window_timestamp_seconds", group, w.end_time)
+    _record_slo(state, group, diagnosis.summary.get("slo"))
     state.window_recorded()
+
+
+_SLO_GROUP_FAMILIES = ("moewatch_slo_latency_seconds", "moewatch_slo_requests", "moewatch_slo_target_seconds",
+                       "moewatch_slo_breached", "moewatch_slo_breached_seconds")
+
+
+def _record_slo(state: MetricsState, group: tuple[str, str], slo: dict | None) -> None:
+    """The engine's SLO signals of the window's interval (the diagnosis' `slo` section), replacing the
+    previous window's; nothing when the window carries none."""
+    if slo is None:
+        return
+    for name in _SLO_GROUP_FAMILIES:
+        state.remove_many(name, [k for k, _ in state.series(name) if k[:2] == group])
+    state.set_many("moewatch_slo_latency_seconds", [
+        ((*group, signal, q), value) for signal, qs in slo["quantiles"].items()
+        for q, value in qs.items() if value is not None])
+    state.set_many("moewatch_slo_requests", [((*group, k), v) for k, v in slo["gauges"].items()])
+    targets = slo["targets"]
+    state.set_many("moewatch_slo_target_seconds", [((*group, "ttft_p99"), targets["ttft_p99_seconds"]),
+                                                   ((*group, "tpot_p99"), targets["tpot_p99_seconds"])])
+    breached = {b["slo"]: b for b in slo["breached"]}
+    state.set_many("moewatch_slo_breached", [((*group, name), 1.0 if name in breached else 0.0)
+                                             for name in ("ttft_p99", "tpot_p99")])
+    state.set_many("moewatch_slo_breached_seconds", [((*group, name), b["breached_for_seconds"])
+                                                     for name, b in breached.items()
+                                                     if b["breached_for_seconds"] is not None])
+    moe = slo["moe"] or {}
+    for name, value in (("moewatch_slo_moe_explained", None if moe.get("explains") is None else float(moe["explains"])),
+                        ("moewatch_slo_moe_share_ratio", moe.get("share_of_itl"))):
+        if value is None:
+            state.remove(name, group)
+        else:
+            state.set(name, group, value)
 
 
 def _record_experts(state: MetricsState, memory: GroupExportMemory, w: Window, group: tuple[str, str]) -> None:

@@ -108,9 +108,30 @@ def format_summary(diagnosis: WindowDiagnosis) -> str:
         lines.append(f"experts hot across layers: {hot}")
     if s.get("a2a_step_share") is not None:
         lines.append(f"all-to-all: {s['a2a_step_share']:.0%} of step time (per step, all layers together)")
+    lines += format_slo_section(s.get("slo"))
     if s["step_p99_seconds"] is not None:
         lines.append(f"step p50 {s['step_p50_seconds'] * 1e3:.2f} ms, p99 {s['step_p99_seconds'] * 1e3:.2f} ms")
     return "\n".join(lines)
+
+
+def format_slo_section(slo: dict | None) -> list[str]:
+    """The diagnosis' SLO section in words: the engine's p99s, each breached SLO with how long and its
+    recommendation, and whether the MoE evidence explains it."""
+    if not slo:
+        return []
+    q = slo["quantiles"]
+    shown = ", ".join(f"{signal} p99 {qs['p99'] * 1e3:.1f} ms" for signal, qs in q.items() if qs.get("p99") is not None)
+    lines = [f"SLO ({slo['engine']}): {shown or 'no latency observed'}"]
+    if not slo["breached"]:
+        lines.append("  SLOs met (TTFT p99 <= {:.0f} ms, TPOT p99 <= {:.0f} ms)".format(
+            slo["targets"]["ttft_p99_seconds"] * 1e3, slo["targets"]["tpot_p99_seconds"] * 1e3))
+    for b in slo["breached"]:
+        lasting = "" if b["breached_for_seconds"] is None else f" for {b['breached_for_seconds']:.0f} s"
+        lines.append(f"  {b['slo']} BREACHED{lasting}: {b['value_seconds'] * 1e3:.1f} ms over "
+                     f"{b['target_seconds'] * 1e3:.0f} ms. {b['recommendation']}")
+    if slo["moe"] is not None:
+        lines.append(f"  {slo['moe']['text']}")
+    return lines
 
 
 def _parse_fail_on(value: str | None) -> set[str]:

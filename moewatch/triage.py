@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from . import slo as slo_signals
 from . import telemetry as tm
 from . import topology
 from .telemetry import Window
@@ -646,6 +647,8 @@ def summarise(w: Window, layers: list[LayerDiagnosis], t: Thresholds) -> dict[st
         # Step 1 per step (all layers together), where the all-to-all time is known only per step.
         "a2a_step_share": _finite(tm.a2a_step_share(w)),
         "a2a_step_seconds": _finite(tm.step_a2a_seconds(w)),
+        # The engine's own SLOs over the window, where a source stamped them (moewatch/slo.py).
+        "slo": slo_signals.section(w.extra.get(slo_signals.SLO_KEY), layers),
         "missing": w.missing_evidence,
         "absent_fields": w.absent_fields,
     }
