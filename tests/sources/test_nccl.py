@@ -153,3 +153,20 @@ def test_deepep_wait_cycles_to_seconds():
         deepep.wait_seconds(before, after[:, :1], 1e6)
     with pytest.raises(ValueError):
         deepep.wait_seconds(before, after, 0.0)
+
+
+def test_diagnose_reads_the_inspector_output_beside_a_window(tmp_path):
+    from click.testing import CliRunner
+
+    from moewatch.cli import main
+
+    path = tmp_path / "w.json"
+    path.write_text(window(layer_seconds=[[0.001, 0.001], [0.002, 0.002]]).to_json())
+    result = CliRunner().invoke(main, ["diagnose", str(path), "--json", "--nccl-inspector", str(FIXTURES)])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["layers"][0]["metrics"]["a2a_share"] is not None and "a2a_time" not in out["layers"][0]["missing"]
+    prom = CliRunner().invoke(main, ["diagnose", str(path), "--nccl-inspector", str(FIXTURES / "inspector.prom")])
+    assert prom.exit_code == 0 and "of step time (per step, all layers together)" in prom.output
+    bad = CliRunner().invoke(main, ["diagnose", str(path), "--nccl-inspector", str(tmp_path)])
+    assert bad.exit_code == 2 and "--nccl-inspector" in bad.output

@@ -6,6 +6,7 @@ SLO section of the triage and the agent's source."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -217,3 +218,20 @@ def test_source_scrapes_and_stamps_windows():
     failing.poll(lambda window: None)
     assert "cannot scrape" in failing.status()["groups"][0]["error"]
     assert np.all(source.annotate(_window(0.2, None, expert_tokens=((1, 1, 1, 1),))).expert_tokens == 1)
+
+
+def test_diagnose_prints_the_slo_section_from_a_saved_scrape(tmp_path):
+    from click.testing import CliRunner
+
+    from moewatch.cli import main
+
+    path = tmp_path / "w.json"
+    path.write_text(_window(0.2, None).to_json())
+    result = CliRunner().invoke(main, ["diagnose", str(path), "--engine-metrics", str(VLLM_FIXTURE)])
+    assert result.exit_code == 0, result.output
+    assert "SLO (vllm)" in result.output and "ttft_p99 BREACHED" in result.output
+    as_json = CliRunner().invoke(main, ["diagnose", str(path), "--json", "--engine-metrics", str(VLLM_FIXTURE)])
+    section = json.loads(as_json.output)["summary"]["slo"]
+    assert [b["slo"] for b in section["breached"]] == ["ttft_p99"]
+    bad = CliRunner().invoke(main, ["diagnose", str(path), "--engine-metrics", str(tmp_path / "none.prom")])
+    assert bad.exit_code == 2 and "--engine-metrics" in bad.output
