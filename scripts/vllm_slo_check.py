@@ -88,14 +88,20 @@ def main() -> int:
                               "--slo.endpoints", f"tiny/ep0={engine_metrics}", "--slo.poll-seconds", "2"],
                              stdout=open(work / "agent.log", "w"), stderr=subprocess.STDOUT)
     env = {**os.environ, "MOEWATCH_SOCKET": socket_path, "MOEWATCH_WINDOW_DIR": str(windows),
-           "MOEWATCH_MODEL": "tiny", "MOEWATCH_WINDOW_STEPS": "20"}
+           "MOEWATCH_MODEL": "tiny", "MOEWATCH_WINDOW_STEPS": "20", "VLLM_CPU_KVCACHE_SPACE": "1"}
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                                "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
-                               "--enforce-eager", "--port", str(vllm_port), "--host", "127.0.0.1"],
+                               "--enforce-eager", "--gpu-memory-utilization", "0.3", "--port", str(vllm_port),
+                               "--host", "127.0.0.1"],
                               env=env, stdout=open(work / "vllm.log", "w"), stderr=subprocess.STDOUT)
     report: dict = {"work": str(work)}
     try:
-        report["vllm_up"] = wait_until(lambda: "vllm:" in get(engine_metrics), args.startup_seconds)
+        def up() -> bool:
+            if server.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({server.returncode}); see {work / 'vllm.log'}")
+            return "vllm:" in get(engine_metrics)
+
+        report["vllm_up"] = wait_until(up, args.startup_seconds)
         if not report["vllm_up"]:
             raise RuntimeError(f"vLLM did not start; see {work / 'vllm.log'}")
         for i in range(args.requests):

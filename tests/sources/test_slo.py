@@ -7,6 +7,7 @@ SLO section of the triage and the agent's source."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -194,7 +195,7 @@ def test_settings_endpoints():
     assert SloSettings().targets == slo.SloTargets(0.2, 0.05, 0.2)
 
 
-def test_source_scrapes_and_stamps_windows():
+def test_source_scrapes_and_stamps_windows(caplog):
     reg, h, g = _sglang_registry()
     now = [100.0]
     source = SloSource(SloSettings(endpoints="m/g=http://engine:30000/metrics", ttft_p99_seconds=0.3),
@@ -215,8 +216,11 @@ def test_source_scrapes_and_stamps_windows():
     assert source.status()["groups"][0]["error"] is None
     failing = SloSource(SloSettings(endpoints="m/g=http://engine:30000/metrics"),
                         fetch=lambda url, timeout: (_ for _ in ()).throw(SourceError(url, "cannot scrape")))
-    failing.poll(lambda window: None)
+    with caplog.at_level(logging.WARNING, logger="moewatch.integrations.slo.source"):
+        failing.poll(lambda window: None)
+        failing.poll(lambda window: None)
     assert "cannot scrape" in failing.status()["groups"][0]["error"]
+    assert sum("cannot scrape" in r.message for r in caplog.records) == 1  # once per outage
     assert np.all(source.annotate(_window(0.2, None, expert_tokens=((1, 1, 1, 1),))).expert_tokens == 1)
 
 

@@ -65,7 +65,10 @@ def parse_exposition(text: str, now: float, model_name: str | None = None, where
             if model_name is not None and s.labels.get("model_name", model_name) != model_name:
                 continue
             if s.name.endswith("_bucket"):
-                le = float(s.labels["le"])
+                try:
+                    le = float(s.labels["le"])
+                except (KeyError, ValueError):
+                    raise SourceError(where, f"{s.name}: a bucket without a numeric le label") from None
                 buckets[le] = buckets.get(le, 0.0) + float(s.value)
             elif s.name.endswith("_sum"):
                 total += float(s.value)

@@ -42,9 +42,15 @@ class SloSource:
                 interval = scraper.scrape()
             except SourceError as e:
                 with self._lock:
+                    first = key not in self._errors
                     self._errors[key] = str(e)
-                log.warning("slo: %s/%s: %s", *key, e)
+                if first:  # once per outage, not once per poll; /status keeps the latest error
+                    log.warning("slo: %s/%s: %s", *key, e)
                 continue
+            with self._lock:
+                recovered = self._errors.pop(key, None) is not None
+            if recovered:
+                log.info("slo: %s/%s: scraping again", *key)
             if interval is None:
                 continue
             targets = self.settings.targets
@@ -52,7 +58,6 @@ class SloSource:
                 since = update_breached_since(self._since.get(key, {}), interval, targets, interval["end_time"])
                 self._since[key] = since
                 self._latest[key] = {**interval, "targets": targets.to_dict(), "breached_since": since}
-                self._errors.pop(key, None)
 
     def latest(self, key: GroupKey) -> dict[str, Any] | None:
         with self._lock:
