@@ -52,7 +52,8 @@ def tiny_model(folder: Path) -> None:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    config = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    # head_dim 64: vLLM's CPU attention takes no 16
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=256, intermediate_size=128, num_hidden_layers=3,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                         num_local_experts=8, num_experts_per_tok=2)
     torch.manual_seed(0)
@@ -104,7 +105,11 @@ def main() -> int:
         report["vllm_up"] = wait_until(up, args.startup_seconds)
         if not report["vllm_up"]:
             raise RuntimeError(f"vLLM did not start; see {work / 'vllm.log'}")
+        # The agent stamps a window with the SLO interval it has when it triages the window, and the first
+        # interval needs two scrapes: half the requests, a pause of two scrapes, then the other half.
         for i in range(args.requests):
+            if i == args.requests // 2:
+                time.sleep(5)
             body = json.dumps({"model": "tiny", "prompt": " ".join(f"w{3 + (i * 7 + j) % 250}" for j in range(12)),
                                "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}).encode()
             req = urllib.request.Request(f"http://127.0.0.1:{vllm_port}/v1/completions", data=body,
