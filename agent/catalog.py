@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .metrics import actions, connections, groups, identity, jobs
 from .metrics import engine_rebalance as er
+from .metrics import slo
 from .metrics import windows as w
 from .metrics.family import GROUP, LAYER, Counter, Family, Gauge, Histogram  # noqa: F401  (re-exported)
 from .metrics.windows import A2A_STEP_BUCKETS, EXPERT_LOAD_SHARE_BUCKETS, STEP_BUCKETS  # noqa: F401
@@ -51,6 +52,8 @@ METRICS: tuple[Family, ...] = (
     er.CALLS_TOTAL, er.LAYERS_TOTAL, er.EXPERTS_MOVED_TOTAL, er.BALANCEDNESS, er.PREDICTED_STALL, er.SOLVE_SECONDS,
     er.VERDICTS_TOTAL, er.LAYERS_WORSE_TOTAL,
     w.LAYER_UNHEALTHY_WINDOWS,
+    # --- per EP group, the engine's own SLO signals over the latest scrape interval (slo: section)
+    slo.LATENCY, slo.REQUESTS, slo.TARGET, slo.BREACHED, slo.BREACHED_SECONDS, slo.MOE_EXPLAINED, slo.MOE_SHARE,
     # --- the agent itself
     connections.FRAMES_RECEIVED_TOTAL, connections.FRAMES_REJECTED_TOTAL, connections.CONNECTIONS_REFUSED_TOTAL,
     connections.CONNECTIONS_CLOSED_TOTAL, groups.GROUPS_RETIRED_TOTAL, groups.GROUPS_EVICTED_TOTAL,

@@ -445,6 +445,7 @@ class Daemon:
 
     def _triage_group(self, group: GroupStore) -> None:
         for window in group.take_untriaged():
+            window = self._annotated(window)
             diagnosis = diagnose(window, self.cfg.thresholds)
             record_window(self.metrics, group.export, window, diagnosis, self.cfg.exporters.expert_metrics)
             self._engine_rebalance(group, window)
@@ -483,6 +484,20 @@ class Daemon:
             log.warning("engine rebalance made layers %s of %s/%s worse (measured balancedness %s -> %s)",
                         verdict["layers_worse"], *group.key, verdict["balancedness_before"],
                         verdict["balancedness_after"])
+
+    def _annotated(self, window):
+        """The window with what sources know of its group beside it (an engine's SLO signals): each
+        source that has `annotate` adds to `extra`; a failing one leaves the window as it was."""
+        for name, source in self.sources.items():
+            annotate = getattr(source, "annotate", None)
+            if annotate is None:
+                continue
+            try:
+                window = annotate(window)
+            except Exception:
+                if self._throttle(f"annotate:{name}") is not None:
+                    log.exception("source %s could not annotate a window", name)
+        return window
 
     def export_job(self) -> None:
         self.retire_groups()

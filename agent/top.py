@@ -47,6 +47,9 @@ def render(status: dict[str, Any], colour: bool) -> str:
             if ctl.get(key):
                 f = ctl[key]
                 lines.append(f"  {label}: epoch {f['epoch']} layers {f['layers']} ({', '.join(f['kinds'])})")
+        slo_line = format_slo((g.get("summary") or {}).get("slo"))
+        if slo_line:
+            lines.append(f"  {slo_line}")
         lines.append(f"  {'layer':>5}  {'verdict':<16} {'cause':<12} {'balanced':>8} {'a2a':>5} "
                      f"{'max/mean':>8} {'ms/step':>8}  hot experts")
         for row in g.get("layers", []):
@@ -64,6 +67,28 @@ def render(status: dict[str, Any], colour: bool) -> str:
             lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(entry['time']))} {entry['event']}: "
                          f"{entry.get('reason', '')[:110]}")
     return "\n".join(lines)
+
+
+def format_slo(slo: dict[str, Any] | None) -> str:
+    """One line of the engine's SLO signals beside the MoE verdicts: p99s, requests, breaches and
+    whether the MoE evidence explains them; empty when the group has none."""
+    if not slo:
+        return ""
+    quantiles = slo.get("quantiles") or {}
+
+    def p99(signal: str) -> str:
+        value = (quantiles.get(signal) or {}).get("p99")
+        return "?" if value is None else f"{value * 1e3:.1f} ms"
+
+    gauges = slo.get("gauges") or {}
+    text = (f"SLO ({slo.get('engine')}): TTFT p99 {p99('ttft')}, ITL p99 {p99('itl')}, TPOT p99 {p99('tpot')}; "
+            f"running {_num(gauges.get('running'), '.0f')}, waiting {_num(gauges.get('waiting'), '.0f')}")
+    breached = slo.get("breached") or []
+    if not breached:
+        return text + "; SLOs met"
+    moe = slo.get("moe") or {}
+    verdict = {True: "MoE explains it", False: "cause elsewhere", None: "MoE share unknown"}[moe.get("explains")]
+    return text + f"; BREACHED: {', '.join(b['slo'] for b in breached)} ({verdict})"
 
 
 def _num(value, spec: str) -> str:

@@ -201,13 +201,42 @@ def overview() -> dash_b.Dashboard:
     ]
     board = base("moewatch-overview", "moewatch / overview",
                  "Every MoE layer's verdict, the worst layers, step time and what the agent did about it.")
+    slo = slo_panels()
     return with_panels(board.variables(variables(with_layer=False)), [
         ("Fleet: where the time is", fleet_panels()),
         ("Now", header),
         ("Layers", [verdicts, worst_unhealthy, worst_a2a]),
         ("Serving", [step, tokens]),
+        ("Engine SLOs and their MoE attribution", slo),
         ("Agent decisions", [actions, rollbacks]),
     ])
+
+
+def slo_panels() -> list[Any]:
+    """The engine's own TTFT and per-token latency against the SLO targets, and whether the MoE
+    evidence explains a breach (the agent's slo: section)."""
+    ttft = series_panel(
+        "TTFT p99 and its SLO", "The engine's time to first token, p99 over each scrape interval, from its own "
+        "histogram; the dashed line is the target the agent judges by.", "s",
+        [query(f'moewatch_slo_latency_seconds{{{GROUP_SEL}, signal="ttft", percentile="p99"}}',
+               "p99 {{model}}/{{ep_group}}", "A"),
+         query(f'moewatch_slo_target_seconds{{{GROUP_SEL}, slo="ttft_p99"}}', "target {{model}}/{{ep_group}}", "B")],
+        width=8)
+    per_token = series_panel(
+        "Inter-token latency and TPOT p99", "The engine's inter-token latency and time per output token, p99 over "
+        "each scrape interval, against the TPOT target.", "s",
+        [query(f'moewatch_slo_latency_seconds{{{GROUP_SEL}, signal=~"itl|tpot", percentile="p99"}}',
+               "{{signal}} p99 {{model}}/{{ep_group}}", "A"),
+         query(f'moewatch_slo_target_seconds{{{GROUP_SEL}, slo="tpot_p99"}}', "target {{model}}/{{ep_group}}", "B")],
+        width=8)
+    share = series_panel(
+        "MoE share of the inter-token latency", "While an SLO is breached: the unhealthy MoE layers' seconds at "
+        "stake per step over the inter-token latency p99 (at or over slo.explain_share, 20% by default, the MoE "
+        "evidence explains the breach).", "percentunit",
+        [query(f"moewatch_slo_moe_share_ratio{{{GROUP_SEL}}}", "{{model}}/{{ep_group}}", "A"),
+         query(f"moewatch_slo_breached{{{GROUP_SEL}}}", "breached {{slo}} {{model}}/{{ep_group}}", "B")],
+        width=8, limit=0.2)
+    return [ttft, per_token, share]
 
 
 def fleet_panels() -> list[Any]:

@@ -111,9 +111,71 @@ def format_summary(diagnosis: WindowDiagnosis) -> str:
     if s["hot_experts_across_layers"]:
         hot = ", ".join(f"{h['expert']} in {h['layers']} layers" for h in s["hot_experts_across_layers"][:5])
         lines.append(f"experts hot across layers: {hot}")
+    if s.get("a2a_step_share") is not None:
+        lines.append(f"all-to-all: {s['a2a_step_share']:.0%} of step time (per step, all layers together)")
+    lines += format_slo_section(s.get("slo"))
     if s["step_p99_seconds"] is not None:
         lines.append(f"step p50 {s['step_p50_seconds'] * 1e3:.2f} ms, p99 {s['step_p99_seconds'] * 1e3:.2f} ms")
     return "\n".join(lines)
+
+
+def format_slo_section(slo: dict | None) -> list[str]:
+    """The diagnosis' SLO section in words: the engine's p99s, each breached SLO with how long and its
+    recommendation, and whether the MoE evidence explains it."""
+    if not slo:
+        return []
+    q = slo["quantiles"]
+    shown = ", ".join(f"{signal} p99 {qs['p99'] * 1e3:.1f} ms" for signal, qs in q.items() if qs.get("p99") is not None)
+    lines = [f"SLO ({slo['engine']}): {shown or 'no latency observed'}"]
+    if not slo["breached"]:
+        lines.append("  SLOs met (TTFT p99 <= {:.0f} ms, TPOT p99 <= {:.0f} ms)".format(
+            slo["targets"]["ttft_p99_seconds"] * 1e3, slo["targets"]["tpot_p99_seconds"] * 1e3))
+    for b in slo["breached"]:
+        lasting = "" if b["breached_for_seconds"] is None else f" for {b['breached_for_seconds']:.0f} s"
+        lines.append(f"  {b['slo']} BREACHED{lasting}: {b['value_seconds'] * 1e3:.1f} ms over "
+                     f"{b['target_seconds'] * 1e3:.0f} ms. {b['recommendation']}")
+    if slo["moe"] is not None:
+        lines.append(f"  {slo['moe']['text']}")
+    return lines
+
+
+def _with_nccl_a2a(window, path: str, communicator: str | None, calls_per_step: int | None):
+    """The window with the all-to-all time NCCL Inspector measured (moewatch/integrations/nccl/)."""
+    from pathlib import Path
+
+    from .integrations.base import SourceError
+    from .integrations.nccl import a2a, inspector
+
+    try:
+        if Path(path).is_dir():
+            log = inspector.read_dump_dir(path)
+            measured = a2a.match_records(log.collectives, window.num_layers, window.world_size, window.steps,
+                                         communicator)
+        else:
+            means = inspector.prom_collective_means(Path(path).read_text(), where=path)
+            measured = a2a.from_prom_means(means, calls_per_step or 2 * window.num_layers, window.steps,
+                                           communicator)
+        return a2a.attach(window, measured)
+    except (SourceError, OSError) as exc:
+        fail_input(f"--nccl-inspector: {exc}")
+
+
+def _with_engine_slo(window, where: str):
+    """The window stamped with the engine's SLO signals of one scrape (since the engine started)."""
+    import time
+    from pathlib import Path
+
+    from .integrations.base import SourceError
+    from .integrations.slo.scrape import _http_get, interval, parse_exposition
+    from .slo import SLO_KEY, SloTargets
+
+    try:
+        text = _http_get(where, 5.0) if where.startswith(("http://", "https://")) else Path(where).read_text()
+        signals = interval(None, parse_exposition(text, time.time(), where=where))
+    except (SourceError, OSError) as exc:
+        fail_input(f"--engine-metrics: {exc}")
+    return window.replace(extra={**window.extra, SLO_KEY: {**signals, "targets": SloTargets().to_dict(),
+                                                           "breached_since": {}}})
 
 
 def _parse_fail_on(value: str | None) -> set[str]:
@@ -135,9 +197,20 @@ def _parse_fail_on(value: str | None) -> set[str]:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="YAML file of thresholds (a mapping, optionally under `thresholds:`).")
 @click.option("--explain/--no-explain", default=False, help="Print each unhealthy layer's evidence in full.")
+@click.option("--nccl-inspector", "nccl_inspector", default=None, metavar="PATH",
+              help="NCCL Inspector output of the window's steps: a folder of JSON-lines *.log files, or a "
+                   "Prometheus textfile (.prom); fills the all-to-all time (docs/telemetry.md).")
+@click.option("--nccl-communicator", default=None, metavar="NAME",
+              help="The EP group's communicator in the Inspector output (its id or comm_name).")
+@click.option("--a2a-calls-per-step", type=int, default=None, metavar="N",
+              help="All-to-alls one step issues, for the textfile form (default: 2 per MoE layer).")
+@click.option("--engine-metrics", default=None, metavar="FILE|URL",
+              help="The engine's /metrics (vLLM or SGLang; a saved scrape or its URL): the SLO section, "
+                   "over everything since the engine started, judged by the default targets.")
 @thresholds_options
 def diagnose(source: str, as_json: bool, fail_on: str | None, config_path: str | None, explain: bool,
-             **threshold_flags) -> None:
+             nccl_inspector: str | None, nccl_communicator: str | None, a2a_calls_per_step: int | None,
+             engine_metrics: str | None, **threshold_flags) -> None:
     """Triage SOURCE (a window file, JSON or binary; an SGLang expert-distribution dump .pt or a folder
     of per-rank dumps) layer by layer, in the documented order."""
     verdicts_failing = _parse_fail_on(fail_on)
@@ -146,6 +219,10 @@ def diagnose(source: str, as_json: bool, fail_on: str | None, config_path: str |
     except ConfigError as exc:
         fail_input(str(exc))
     window = load_window(source)
+    if nccl_inspector is not None:
+        window = _with_nccl_a2a(window, nccl_inspector, nccl_communicator, a2a_calls_per_step)
+    if engine_metrics is not None:
+        window = _with_engine_slo(window, engine_metrics)
     result = triage_window(window, thresholds)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1, allow_nan=False))

@@ -55,6 +55,9 @@ ARRAY_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
 REQUIRED_ARRAYS = frozenset({"physical_to_logical_map", "expert_tokens", "capacity_factor"})
 OPTIONAL_ARRAYS = frozenset(ARRAY_FIELDS) - REQUIRED_ARRAYS
 REQUIRED_UNLESS = {"expert_tokens": "rank_tokens"}
+# Window.extra key: the window's all-to-all seconds (all layers, summed over its steps, the mean over
+# the ranks measured) from a source that cannot match its records to layers (docs/telemetry.md).
+STEP_A2A_KEY = "a2a_step_seconds"
 
 # What each triage step needs, by evidence kind: any one alternative fully present is enough.
 # The kinds are the label values of moewatch_layer_evidence_missing and the `missing` lists of a
@@ -365,6 +368,11 @@ def validate(w: Window) -> None:
         per_rank = w.slot_tokens.reshape(L, W, P // W).sum(axis=2)
         _check_layers("slot_tokens", np.any(per_rank != w.local_tokens + w.received_tokens, axis=1),
                       "a rank's slots do not add up to its local + received pairs")
+    if STEP_A2A_KEY in w.extra:
+        value = w.extra[STEP_A2A_KEY]
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value < 0):
+            raise WindowError(STEP_A2A_KEY, f"must be a finite number of seconds >= 0, got {value!r}")
     if w.traffic is not None:
         # The matrix holds local, sent and received: a source that has it states them too.
         lacking = [n for n in ("local_tokens", "sent_tokens", "received_tokens") if getattr(w, n) is None]
@@ -537,6 +545,25 @@ def a2a_share(w: Window) -> np.ndarray | None:
     if a2a is None or w.layer_seconds is None:
         return None
     return _ratio(a2a.sum(axis=1), w.layer_seconds.sum(axis=1))
+
+
+def step_a2a_seconds(w: Window) -> float | None:
+    """The window's all-to-all seconds over all layers (summed over its steps, mean over ranks): the
+    per-step total a source carried (`extra.a2a_step_seconds`), else the per-layer dispatch + combine
+    summed over layers; None when neither is there."""
+    if STEP_A2A_KEY in w.extra:
+        return float(w.extra[STEP_A2A_KEY])
+    a2a = a2a_seconds(w)
+    return None if a2a is None else float(a2a.sum(axis=0).mean())
+
+
+def a2a_step_share(w: Window) -> float | None:
+    """Share of step time spent in all-to-all, all layers together: step_a2a_seconds / sum of
+    step_seconds. Per step, not per layer; None without either, or with no step time."""
+    a2a = step_a2a_seconds(w)
+    if a2a is None or w.step_seconds is None or float(w.step_seconds.sum()) <= 0:
+        return None
+    return a2a / float(w.step_seconds.sum())
 
 
 @_once

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from . import slo as slo_signals
 from . import telemetry as tm
 from . import topology
 from .capacity import mean_load_capacities, mean_load_overflow_rates, round_up_capacity
@@ -365,6 +366,10 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
     comm: bool | None = None
     if share is None:
         evidence.append(unknown_text("All-to-all share of layer time", "a2a_time"))
+        step_share = tm.a2a_step_share(w)
+        if step_share is not None:
+            evidence.append(f"Per step, all layers together (not this layer's share): all-to-all takes "
+                            f"{step_share:.0%} of step time.")
     else:
         comm = share >= t.comm_share
         evidence.append(
@@ -581,6 +586,11 @@ def summarise(w: Window, layers: list[LayerDiagnosis], t: Thresholds) -> dict[st
         "step_p99_seconds": _finite(float(np.percentile(steps, 99))) if timed else None,
         "tokens_per_second": (_finite(float(w.step_tokens.sum() / steps.sum()))
                               if timed and w.step_tokens is not None and steps.sum() > 0 else None),
+        # Step 1 per step (all layers together), where the all-to-all time is known only per step.
+        "a2a_step_share": _finite(tm.a2a_step_share(w)),
+        "a2a_step_seconds": _finite(tm.step_a2a_seconds(w)),
+        # The engine's own SLOs over the window, where a source stamped them (moewatch/slo.py).
+        "slo": slo_signals.section(w.extra.get(slo_signals.SLO_KEY), layers),
         "missing": w.missing_evidence,
         "absent_fields": w.absent_fields,
     }

@@ -3,7 +3,8 @@
 # with $OUT as the folder whose files come back). The machine's image already has torch with CUDA,
 # triton and numpy; moewatch installs over them offline, without dependencies.
 #   run: bash scripts/gpu_check.sh [--quick]   (not yet run on a GPU: time it the first time)
-# Results: $OUT/gpu_check.json (kernel match and speed, NCCL EP checks, probe overhead on the GPU)
+# Results: $OUT/gpu_check.json (kernel match and speed, NCCL EP checks, probe overhead on the GPU, the
+# engine adapters' no-sync step clock eager and under a CUDA graph: engine_clock)
 # and $OUT/env.txt. Exit status is gpu_check's: 0 only when every check passed.
 set -uo pipefail
 OUT="${OUT:-/tmp/moewatch-gpu}"

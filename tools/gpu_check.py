@@ -3,6 +3,7 @@
 Prints one JSON object: NCCL (EP output against the single-process reference, probe windows timed by
 CUDA events, a live placement change, a stale plan, an injected migration failure), the Triton grouped
 GEMM against the torch path on the device (match and speed), the probe's overhead ratio on the GPU,
+the engine adapters' no-sync step clock (eager and under a CUDA graph, with sync debug mode "error"),
 the runtime end to end with each kernel, and the closed loop (`moewatch bench loop --backend nccl`:
 step time before and after the agent acts on a hot-expert skew, against an observe-mode control; it
 needs two GPUs or more, and is reported as not run on one). `ok` is true only when every check that
@@ -130,6 +131,84 @@ def probe_overhead(world_size: int, quick: bool) -> dict:
     return result
 
 
+def engine_clock(quick: bool) -> dict:
+    """The engine adapters' step clock (runtime/engines/clock.py) on the GPU: a tiny MoE-shaped step
+    (router top-k counted by PairCounter, two expert matmuls), eager and replayed from a captured
+    CUDA graph, with torch.cuda.set_sync_debug_mode("error") around every step so any host sync the
+    clock added would raise. Checks that the windows carry step time, and the overhead ratio (step
+    time with the clock over without)."""
+    from moewatch.runtime.engines import common
+    from moewatch.runtime.engines.clock import EventClock, cuda_event_factory
+
+    tokens, hidden, experts, top_k = 256, 1024, 16, 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g)
+    router = torch.randn(hidden, experts, device="cuda", generator=g)
+    w1 = torch.randn(hidden, 4 * hidden, device="cuda", generator=g) / hidden ** 0.5
+    w2 = torch.randn(4 * hidden, hidden, device="cuda", generator=g) / hidden ** 0.5
+    steps = 40 if quick else 200
+    out: dict = {"steps": steps}
+    for mode in ("eager", "cuda_graph"):
+        seen: list = []
+        weights = common.PairWeights(tokens, top_k, "cuda")
+        # One window, flushed after the timed steps: the flush's count read is the adapters' one host
+        # read per window, by design; the steps themselves (and the clock) must add none.
+        rec = common.EngineRecorder(common.EngineSettings(window_steps=10 * steps),
+                                    runtime="gpu-check", model="tiny",
+                                    top_k=top_k, hidden_bytes=hidden * 4, num_experts=experts, weights=weights,
+                                    sinks=[seen.append], clock=EventClock(cuda_event_factory()))
+        counter = rec.counter(0)
+
+        def forward():
+            counter.add(torch.topk(x @ router, top_k, dim=1).indices)
+            return torch.relu(x @ w1) @ w2
+
+        step = forward
+        if mode == "cuda_graph":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                weights.arm(tokens)
+                forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                forward()
+            counter.take()
+            step = graph.replay
+
+        def timed_steps(with_clock: bool) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    if with_clock:
+                        rec.begin_step(tokens)
+                        step()
+                        rec.end_step()
+                    else:
+                        step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        timed_steps(False)  # warm-up
+        bare = timed_steps(False)
+        clocked = timed_steps(True)
+        torch.cuda.synchronize()
+        rec.close()  # after the sync every event is complete: every window carries its step time
+        timed = [w for w in seen if w.step_seconds is not None]
+        out[mode] = {"windows": len(seen), "windows_with_step_time": len(timed),
+                     "step_p50_ms": float(np.median(np.concatenate([w.step_seconds for w in timed])) * 1e3)
+                     if timed else None,
+                     "overhead_ratio": clocked / bare, "clock_error": rec.clock.error or None,
+                     "ok": bool(seen) and len(timed) == len(seen) and not rec.clock.error}
+    out["ok"] = all(out[m]["ok"] for m in ("eager", "cuda_graph"))
+    return out
+
+
 def end_to_end(world_size: int) -> dict:
     from moewatch.runtime.config import RuntimeConfig
     from moewatch.runtime.launcher import launch
@@ -200,6 +279,7 @@ def main() -> int:
         report["triton"] = f"missing: {exc}"
     for name, fn in (("kernel", lambda: kernel_check(args.quick)), ("nccl", lambda: nccl_checks(world_size)),
                      ("probe_overhead", lambda: probe_overhead(world_size, args.quick)),
+                     ("engine_clock", lambda: engine_clock(args.quick)),
                      ("end_to_end", lambda: end_to_end(world_size)),
                      ("closed_loop", lambda: closed_loop(world_size, quick=args.quick))):
         started = time.monotonic()
@@ -208,7 +288,8 @@ def main() -> int:
         except Exception:
             report[name] = {"ok": False, "error": traceback.format_exc()[-4000:]}
         report[name]["seconds"] = round(time.monotonic() - started, 1)
-    report["ok"] = all(report[name].get("ok") for name in ("kernel", "nccl", "probe_overhead", "end_to_end")) and \
+    report["ok"] = all(report[name].get("ok") for name in ("kernel", "nccl", "probe_overhead", "engine_clock",
+                                                          "end_to_end")) and \
         report["closed_loop"].get("ok") is not False
     print(json.dumps(report, default=str))
     return 0 if report["ok"] else 1

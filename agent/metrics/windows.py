@@ -16,7 +16,7 @@ from moewatch import telemetry as tm
 from moewatch.telemetry import Window
 from moewatch.triage import WindowDiagnosis
 
-from . import engine_rebalance
+from . import engine_rebalance, slo
 from .family import GROUP, LAYER, Counter, Gauge, Histogram, Labels, families_of
 
 if TYPE_CHECKING:
@@ -240,6 +240,7 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
         state[TOKENS_TOTAL].inc(group, int(w.step_tokens.sum()))
     state[WINDOWS_TOTAL].inc(group)
     state[LAST_WINDOW_TIMESTAMP].set(group, w.end_time)
+    slo.record_slo(state, group, diagnosis.summary.get("slo"))
     state.window_recorded()
 
 

@@ -1,7 +1,8 @@
 """The one place engines are listed. The agent asks here which sources to poll, which actuator to
 build and what a group's actuator declares; it never names an engine itself.
 
-Built in: `reference` (the reference runtime and any runtime speaking the wire), `sglang`, `vllm`.
+Built in: `reference` (the reference runtime and any runtime speaking the wire), `sglang`, `vllm`,
+and `slo` (the engines' own SLO signals from their /metrics, for any group).
 `register` adds another (a new engine's room, or a test's), `unregister` takes it away again.
 """
 
@@ -12,6 +13,7 @@ from typing import Any, Callable
 from .base import Actuator, ActuatorProperties, GroupKey, Integration, Source
 from .reference import INTEGRATION as REFERENCE
 from .sglang import INTEGRATION as SGLANG
+from .slo import INTEGRATION as SLO
 from .vllm import INTEGRATION as VLLM
 
 # The actuator used when no integration's settings ask for theirs: plans over the wire.
@@ -96,5 +98,5 @@ def properties_for(runtime: str, actuator: Actuator) -> ActuatorProperties:
     return actuator.properties
 
 
-for _builtin in (REFERENCE, SGLANG, VLLM):
+for _builtin in (REFERENCE, SGLANG, VLLM, SLO):
     register(_builtin)

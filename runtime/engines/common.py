@@ -28,6 +28,7 @@ from moewatch import wire
 from moewatch.telemetry import Window
 
 from ..sender import Sender
+from .clock import EventClock
 
 ENV_SOCKET = "MOEWATCH_SOCKET"
 ENV_WINDOW_DIR = "MOEWATCH_WINDOW_DIR"
@@ -228,10 +229,19 @@ class EngineRecorder:
     `begin_step(n)` / `end_step()` around each real forward, and `close()` at shutdown. A window
     ends after `window_steps` steps or `window_seconds`, whichever comes first."""
 
+    # A window waiting for its device step times is sent without them after this many more steps.
+    HOLD_STEPS = 64
+
     def __init__(self, settings: EngineSettings, *, runtime: str, model: str, top_k: int, hidden_bytes: int,
                  num_experts: int, weights: PairWeights, world_size: int = 1, time_steps: bool = False,
-                 sinks: Sequence[Callable[[Window], object]] = ()):
+                 sinks: Sequence[Callable[[Window], object]] = (), clock: EventClock | None = None):
         self.settings = settings
+        # Device step time without a host sync (clock.py): a window is held until its steps' events
+        # have completed, then sent with them (or, after HOLD_STEPS more steps, without them).
+        self.clock = clock
+        self._held: list[tuple[dict, int, int]] = []  # (window fields, its steps, steps run since held)
+        self._timed: list[float] = []  # device step seconds harvested, not yet given to a window
+        self._skip = 0  # device step times still to come for windows already sent without them
         self.runtime, self.model, self.top_k, self.hidden_bytes = runtime, model, top_k, hidden_bytes
         self.num_experts, self.world_size = num_experts, world_size
         self.weights = weights
@@ -269,10 +279,15 @@ class EngineRecorder:
             self._start_unix, self._start_wall = time.time(), time.perf_counter()
         self._step_tokens.append(int(num_tokens))
         self.weights.arm(int(num_tokens))
+        if self.clock is not None:
+            self.clock.begin_step()
         self._step_start = time.perf_counter()
 
     def end_step(self) -> Window | None:
         self._step_seconds.append(time.perf_counter() - self._step_start)
+        if self.clock is not None:
+            self.clock.end_step()
+            self._release_held(steps_run=1)
         self.weights.disarm()
         self.steps += 1
         s = self.settings
@@ -295,19 +310,49 @@ class EngineRecorder:
         layer_seconds = None
         if self.layer_seconds is not None:
             layer_seconds = np.array([[self.layer_seconds.get(i, 0.0)] for i in ids])
+        fields = dict(
+            runtime=self.runtime, model=self.model, ep_group=self.settings.ep_group, top_k=self.top_k,
+            hidden_bytes=self.hidden_bytes, expert_tokens=np.stack([t[0] for t in taken]), steps=self.steps,
+            start_time=self._start_unix, end_time=time.time(), world_size=self.world_size,
+            slot_tokens=slots, physical_to_logical_map=pmap, layer_seconds=layer_seconds,
+            step_seconds=self._step_seconds if self.time_steps else None, step_tokens=self._step_tokens,
+            extra={"layer_ids": ids, **self._pending_extra()})
+        steps = self.steps
+        self._reset()
+        if self.clock is not None and self.clock.enabled:
+            self._held.append((fields, steps, 0))
+            return self._release_held(steps_run=0)
+        return self._emit(fields)
+
+    def _release_held(self, steps_run: int) -> Window | None:
+        """Send the held windows whose device step times are all in, oldest first, and those held for
+        HOLD_STEPS steps (or with the clock off) without them. Returns the last window sent."""
+        for seconds in self.clock.harvest():
+            if self._skip:
+                self._skip -= 1  # a step of a window already sent without its times
+            else:
+                self._timed.append(seconds)
+        sent = None
+        self._held = [(f, n, run + steps_run) for f, n, run in self._held]
+        while self._held:
+            fields, steps, run = self._held[0]
+            if len(self._timed) >= steps:
+                fields["step_seconds"], self._timed = self._timed[:steps], self._timed[steps:]
+            elif run >= self.HOLD_STEPS or not self.clock.enabled:
+                self._skip += steps - len(self._timed)
+                self._timed = []
+            else:
+                break
+            self._held.pop(0)
+            sent = self._emit(fields) or sent
+        return sent
+
+    def _emit(self, fields: dict) -> Window | None:
         try:
-            window = logical_window(
-                runtime=self.runtime, model=self.model, ep_group=self.settings.ep_group, top_k=self.top_k,
-                hidden_bytes=self.hidden_bytes, expert_tokens=np.stack([t[0] for t in taken]), steps=self.steps,
-                start_time=self._start_unix, end_time=time.time(), world_size=self.world_size,
-                slot_tokens=slots, physical_to_logical_map=pmap, layer_seconds=layer_seconds,
-                step_seconds=self._step_seconds if self.time_steps else None, step_tokens=self._step_tokens,
-                extra={"layer_ids": ids, **self._pending_extra()})
+            window = logical_window(**fields)
         except ValueError as exc:  # never take the engine down for a window: count it and go on
             self.last_error = str(exc)
-            self._reset()
             return None
-        self._reset()
         self._identity = {name: getattr(window, name) for name in
                           ("model", "ep_group", "world_size", "num_layers", "num_experts", "num_slots")}
         self.windows_built += 1
@@ -327,6 +372,8 @@ class EngineRecorder:
 
     def close(self) -> None:
         self.flush()
+        if self._held:  # shutdown: what has completed goes with its times, the rest without (no wait)
+            self._release_held(steps_run=self.HOLD_STEPS)
         if self.sinks is not None:
             self.sinks.close()
 

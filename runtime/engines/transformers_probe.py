@@ -24,6 +24,7 @@ import torch
 
 from moewatch.telemetry import Window
 
+from .clock import EventClock, cuda_event_factory
 from .common import EngineRecorder, EngineSettings, PairWeights
 
 RUNTIME_NAME = "transformers"
@@ -68,7 +69,8 @@ class TransformersProbe:
         self.recorder = EngineRecorder(
             settings, runtime=RUNTIME_NAME, model=str(name), top_k=self._weights.top_k,
             hidden_bytes=hidden * param.element_size(), num_experts=experts.pop(), weights=self._weights,
-            time_steps=param.device.type == "cpu", sinks=sinks)
+            time_steps=param.device.type == "cpu", sinks=sinks,
+            clock=EventClock(cuda_event_factory()) if param.device.type == "cuda" else None)
         self._pair_mask: torch.Tensor | None = None
         self._handles = [model.register_forward_pre_hook(self._begin, with_kwargs=True),
                          model.register_forward_hook(self._end, always_call=True)]

@@ -22,8 +22,9 @@ Measured: pairs per layer and logical expert for computed tokens (prefix-cache h
 computed, so not counted); tokens per step; on the CPU with enforce_eager, per-layer MoE time and
 per-step time by perf_counter (the CPU runs synchronously, so these cost no sync). GPU only, not
 testable on a CPU machine: with EPLB, pairs per physical slot (the ids after vLLM's mapping) and the
-physical_to_logical_map in force. Absent: dispatch/combine/compute split, rank-level traffic, and
-any timing on a GPU (it would need a host sync per step).
+physical_to_logical_map in force; per-step time from CUDA events recorded around each step and read
+only once complete (clock.py: no host sync; a window waits for its steps' events, or goes without
+them). Absent: dispatch/combine/compute split, rank-level traffic, and per-layer time on a GPU.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def _recorder_for(moe_config):
     import torch
     from vllm.config import get_current_vllm_config
 
+    from .clock import EventClock, cuda_event_factory
     from .common import EngineRecorder, PairWeights
 
     vcfg = get_current_vllm_config()
@@ -113,7 +115,7 @@ def _recorder_for(moe_config):
         replace(settings, ep_group=ep_group), runtime=RUNTIME_NAME, model=model, top_k=moe_config.experts_per_token,
         hidden_bytes=moe_config.hidden_dim * element, num_experts=moe_config.num_logical_experts,
         weights=PairWeights(max_tokens, moe_config.experts_per_token, device), world_size=world,
-        time_steps=on_cpu)
+        time_steps=on_cpu, clock=EventClock(cuda_event_factory()) if device.type == "cuda" else None)
     if on_cpu and eager:
         rec.layer_seconds = {}
     from . import vllm_eplb

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import numpy as np
+import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from moewatch.agent.catalog import METRICS, exposed_names
@@ -42,8 +43,55 @@ ENGINE_REBALANCE = {"engine": "vllm", "layer_outcomes": {"moved": 3, "kept_not_p
                     "predicted_stall_seconds": 0.2, "solve_seconds": 0.05}
 
 
-def test_live_metrics_match_the_catalogue_and_pass_promtool(start_agent, helpers):
-    daemon = start_agent(exporters={"expert_metrics": True, "expert_series_cap": 20})
+class GrowingEngineMetrics:
+    """An engine's /metrics (vLLM's TTFT and inter-token histograms, its request gauges) that grows by
+    ten slow first tokens and ten tokens on every scrape: every SLO interval has observations."""
+
+    def __init__(self):
+        self.scrapes = 0
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+        self.scrapes += 1
+        n = 10.0 * self.scrapes
+        ttft = HistogramMetricFamily("vllm:time_to_first_token_seconds", "ttft", labels=["model_name", "engine"])
+        ttft.add_metric(["example", "0"], [("0.1", 0.0), ("0.5", n), ("+Inf", n)], sum_value=0.4 * n)
+        itl = HistogramMetricFamily("vllm:inter_token_latency_seconds", "itl", labels=["model_name", "engine"])
+        itl.add_metric(["example", "0"], [("0.01", 0.0), ("0.1", n), ("+Inf", n)], sum_value=0.05 * n)
+        running = GaugeMetricFamily("vllm:num_requests_running", "running", labels=["model_name", "engine"])
+        running.add_metric(["example", "0"], 3.0)
+        return [ttft, itl, running]
+
+
+@pytest.fixture
+def engine_metrics_url():
+    """The URL of an engine's /metrics (GrowingEngineMetrics) served on 127.0.0.1."""
+    import socket
+
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    engine = CollectorRegistry()
+    engine.register(GrowingEngineMetrics())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=engine)
+    yield f"http://127.0.0.1:{port}/metrics"
+    server.shutdown()
+
+
+def start_with_slo(start_agent, helpers, url, **sections):
+    """An agent scraping the engine's SLO signals for the group `drive` feeds; returned once the
+    first interval (two scrapes) is in, so every window carries the SLO signals."""
+    daemon = start_agent(slo={"endpoints": f"example/example={url}", "poll_seconds": 0.1}, **sections)
+    assert helpers.wait_for(lambda: daemon.sources["slo"].latest(("example", "example")) is not None)
+    return daemon
+
+
+def test_live_metrics_match_the_catalogue_and_pass_promtool(start_agent, helpers, engine_metrics_url):
+    daemon = start_with_slo(start_agent, helpers, engine_metrics_url,
+                            exporters={"expert_metrics": True, "expert_series_cap": 20})
     drive(daemon, helpers)
     assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_frames_rejected_total", ("malformed",)) == 1)
     text = helpers.scrape(daemon.http_url)
@@ -67,6 +115,12 @@ def test_live_metrics_match_the_catalogue_and_pass_promtool(start_agent, helpers
     assert len(verdict_lines) >= 2
     assert helpers.sample_value(text, "moewatch_agent_mode", mode="observe") == 1
     assert helpers.sample_value(text, "moewatch_windows_total", model="example") == 3
+    # The engine's SLO signals beside the MoE verdicts: TTFT p99 in (0.1, 0.5], breached (target 200 ms).
+    ttft = helpers.sample_value(text, "moewatch_slo_latency_seconds", model="example", signal="ttft",
+                                percentile="p99")
+    assert ttft == pytest.approx(0.1 + 0.4 * 0.99)
+    assert helpers.sample_value(text, "moewatch_slo_breached", model="example", slo="ttft_p99") == 1
+    assert helpers.sample_value(text, "moewatch_slo_target_seconds", model="example", slo="ttft_p99") == 0.2
 
 
 def test_expert_metrics_off_by_default(start_agent, helpers):
@@ -84,9 +138,9 @@ def test_histogram_buckets_are_upper_inclusive():
     assert h.count == 5 and h.total == 8.0
 
 
-def test_opentelemetry_carries_the_same_quantities(start_agent, helpers):
+def test_opentelemetry_carries_the_same_quantities(start_agent, helpers, engine_metrics_url):
     reader = InMemoryMetricReader()
-    daemon = start_agent(otel_readers=[reader])
+    daemon = start_with_slo(start_agent, helpers, engine_metrics_url, otel_readers=[reader])
     drive(daemon, helpers, 3)
     data = reader.get_metrics_data()
     points = {}

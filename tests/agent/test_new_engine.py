@@ -140,7 +140,7 @@ def test_register_refuses_a_taken_name_or_runtime_and_unregister_removes():
     assert registry.covering("other-engine").name == "other"
     registry.unregister("other")
     assert registry.covering("other-engine") is None
-    assert [i.name for i in registry.integrations()] == ["reference", "sglang", "vllm"]
+    assert [i.name for i in registry.integrations()] == ["reference", "sglang", "vllm", "slo"]
 
 
 def test_two_engines_asking_to_steer_is_refused_at_start(toy_engine, start_agent, short_tmp):

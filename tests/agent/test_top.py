@@ -33,3 +33,21 @@ def test_top_without_an_agent_exits_2():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "cannot reach the agent" in out.stderr
+
+
+def test_top_shows_the_engine_slo_beside_the_verdicts():
+    from moewatch.agent.top import format_slo
+
+    slo = {"engine": "vllm", "quantiles": {"ttft": {"p99": 0.48}, "itl": {"p99": 0.0925}, "tpot": {"p99": None}},
+           "gauges": {"running": 4.0, "waiting": 2.0},
+           "breached": [{"slo": "ttft_p99"}], "moe": {"explains": False}}
+    line = format_slo(slo)
+    assert line == ("SLO (vllm): TTFT p99 480.0 ms, ITL p99 92.5 ms, TPOT p99 ?; running 4, waiting 2; "
+                    "BREACHED: ttft_p99 (cause elsewhere)")
+    assert format_slo({**slo, "breached": []}).endswith("SLOs met")
+    assert format_slo(None) == ""
+    status = {"agent": {"version": "x", "mode": "observe", "frames_rejected": {}},
+              "groups": [{"model": "m", "ep_group": "g", "connected": True, "epoch_in_force": 0,
+                          "windows_accepted": 1, "sizes": {}, "control": {}, "layers": [],
+                          "summary": {"slo": slo}}]}
+    assert "SLO (vllm): TTFT p99 480.0 ms" in render(status, colour=False)
