@@ -15,6 +15,10 @@ the operator enables them, under a cap ([measured-cardinality], docs/sources.md:
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
+from . import metrics as _metrics
 from .metrics import actions, connections, groups, identity, jobs
 from .metrics import engine_rebalance as er
 from .metrics import slo
@@ -61,7 +65,10 @@ METRICS: tuple[Family, ...] = (
     identity.AGENT_MODE, identity.AGENT_INFO,
 )
 
-CONCERNS = (w, groups, actions, connections, jobs, identity)
+# Every module of agent/metrics that declares families: a new concern is checked without being named here.
+CONCERNS = tuple(module for module in (importlib.import_module(f"{_metrics.__name__}.{info.name}")
+                                       for info in pkgutil.iter_modules(_metrics.__path__))
+                 if hasattr(module, "FAMILIES"))
 
 
 def _check_catalogue() -> None:

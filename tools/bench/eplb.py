@@ -225,7 +225,9 @@ def run_bench(layers: int, experts: int, slots: int, ranks: int, nodes: int, gro
 def _eplb_command():
     import click
 
-    @click.command("eplb")
+    from moewatch.cli_contract import OneLineCommand
+
+    @click.command("eplb", cls=OneLineCommand)
     @click.option("--layers", type=click.IntRange(1), default=61, show_default=True)
     @click.option("--experts", type=click.IntRange(1), default=256, show_default=True)
     @click.option("--slots", type=click.IntRange(1), default=320, show_default=True)
@@ -264,7 +266,7 @@ def _eplb_command():
             raise click.ClickException(str(exc)) from None
         if as_json:
             click.echo(json.dumps(report))
-            return
+            return report
         for scenario, policies in report["results"].items():
             for policy, f in policies.items():
                 click.echo(f"{scenario:9s} {policy:15s} balancedness {min(f['balancedness_after']):.3f}-"
@@ -272,6 +274,7 @@ def _eplb_command():
                            f"solve median {f['solve_seconds_median'] * 1e3:8.1f} ms  kept by gate "
                            f"{sum(f['layers_kept_by_gate'])}")
         click.echo("goals: " + ", ".join(f"{k} {'pass' if v else 'FAIL'}" for k, v in report["goals"].items()))
+        return report
 
     return eplb
 

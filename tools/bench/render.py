@@ -161,8 +161,32 @@ def render_readme_demo(records: list[dict[str, Any]]) -> str:
             + "\n```\n")
 
 
+def render_eplb(records: list[dict[str, Any]]) -> str:
+    """The latest `bench eplb` run: per load and policy, the lowest balancedness after a rebalance, the
+    slots moved (in all, and at the first rebalance), the median call time and the most layers the gate
+    kept in one rebalance; then the goals. Every figure is one the result file holds."""
+    mine = _of(records, "eplb")
+    if not mine:
+        return _table([], [], "eplb", "moewatch bench eplb --json")
+    latest = mine[-1]
+    prov, result = latest["provenance"], latest["result"]
+    lines = [f"Run: `{prov['command']}` at `{prov['commit'][:12]}`, `{prov['started_utc']}`, machine during the "
+             f"run: {machine_state(prov)}; from `{latest['file']}` in {RESULTS_SUBDIR}/.", "",
+             "| load | policy | balancedness after (lowest) | slots moved (in all; first rebalance) | "
+             "median call (s) | most layers kept by the gate |", "|---|---|---|---|---|---|"]
+    for load, policies in result["results"].items():
+        for policy, f in policies.items():
+            kept = f.get("layers_kept_by_gate") or [0]
+            lines.append(f"| {load} | {policy} | {fmt(min(f['balancedness_after']))} | "
+                         f"{fmt(f['experts_moved_total'])}; {fmt(f['experts_moved'][0])} | "
+                         f"{fmt(f['solve_seconds_median'])} | {fmt(max(kept))} |")
+    lines += ["", "Goals: " + ", ".join(f"{k} **{'pass' if v else 'fail'}**" for k, v in result["goals"].items())
+              + "."]
+    return "\n".join(lines) + "\n"
+
+
 SLOTS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
-    "agent": render_agent, "probe": render_probe, "vllm": render_vllm, "loop": render_loop,
+    "eplb": render_eplb, "agent": render_agent, "probe": render_probe, "vllm": render_vllm, "loop": render_loop,
     "planner": render_planner, "readme-loop": render_readme_loop, "readme-demo": render_readme_demo,
 }
 
