@@ -89,9 +89,18 @@ def _key(name: str) -> Callable[[dict[str, Any]], Any]:
 
 def render_agent(records: list[dict[str, Any]]) -> str:
     cols = [(k, _key(k)) for k in ("cpu_per_window_s", "cpu_share", "rss_mb", "scrape_ms_p50", "scrape_ms_p90",
-                                   "triage_ms", "triage_cpu_ms", "windows_lagging", "lag_max_windows")]
+                                   "scrape_ms_p99", "triage_ms", "triage_cpu_ms", "windows_lagging",
+                                   "lag_max_windows")]
     cols.insert(0, ("rate (windows/s)", lambda r: (r.get("config") or {}).get("rate")))
-    return _table(_of(records, "agent"), cols, "agent", "moewatch bench agent --json")
+    table = _table(_of(records, "agent"), cols, "agent", "moewatch bench agent --json")
+    phased = [r for r in _of(records, "agent") if r["result"].get("phase_cpu_ms")]
+    if not phased:
+        return table
+    phases = list(phased[-1]["result"]["phase_cpu_ms"])
+    # CPU ms per window by phase, in the bench process on the same windows (where the time goes).
+    return table + "\nCPU ms per window, by phase (in-process, full evidence):\n\n" + _table(
+        phased, [(p, lambda r, p=p: r["phase_cpu_ms"].get(p)) for p in phases], "agent",
+        "moewatch bench agent --json")
 
 
 def render_probe(records: list[dict[str, Any]]) -> str:
