@@ -20,8 +20,9 @@ import click
 from .record import REPO_ROOT, RESULTS_SUBDIR
 
 SLOT = re.compile(r"(<!-- bench:(?P<name>[a-z-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
-PAGES = ("README.md", "docs/benchmarks/agent.md", "docs/benchmarks/loop.md", "docs/benchmarks/planner.md",
-         "docs/benchmarks/probe.md", "docs/benchmarks/vllm.md")
+def pages(root: Path) -> list[str]:
+    """The README and every benchmark page: a new page's slots are rendered and checked without a list."""
+    return ["README.md", *sorted(str(p.relative_to(root)) for p in (root / "docs" / "benchmarks").glob("*.md"))]
 ROWS_PER_TABLE = 6  # the newest runs of a bench
 EPLB_PORT = "this project's numpy port of DeepSeek's EPLB (`tools/eplb_reference.py`)"
 
@@ -220,7 +221,7 @@ def render_pages(root: Path, results: Path, check: bool = False) -> list[str]:
     """Render every page's slots; returns the pages that changed (with check, writes nothing)."""
     records = load_results(results) if results.is_dir() else []
     changed = []
-    for page in PAGES:
+    for page in pages(root):
         path = root / page
         text = path.read_text()
         new = render_text(text, records)

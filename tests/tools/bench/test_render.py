@@ -8,7 +8,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from moewatch.tools.bench.render import (PAGES, figures_without_result, load_results, machine_state, render,
+from moewatch.tools.bench.render import (pages, figures_without_result, load_results, machine_state, render,
                                          render_text, slots)
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -17,19 +17,19 @@ RESULTS = ROOT / "docs" / "benchmarks" / "results"
 
 def test_the_docs_are_what_rendering_gives():
     records = load_results(RESULTS)
-    for page in PAGES:
+    for page in pages(ROOT):
         text = (ROOT / page).read_text()
         assert render_text(text, records) == text, f"{page}: run `moewatch bench render`"
 
 
 def test_every_benchmark_page_and_the_readme_have_slots():
-    for page in PAGES:
+    for page in pages(ROOT):
         assert slots((ROOT / page).read_text()), page
 
 
 def test_every_figure_in_the_docs_is_in_a_result_file():
     records = load_results(RESULTS)
-    for page in PAGES:
+    for page in pages(ROOT):
         assert figures_without_result((ROOT / page).read_text(), records) == [], page
 
 
@@ -58,7 +58,7 @@ def test_busy_runs_are_marked_busy_and_none_is_called_quiet():
 
 
 def test_a_planner_comparison_names_the_eplb_that_ran():
-    for page in PAGES:
+    for page in pages(ROOT):
         for name, body in slots((ROOT / page).read_text()):
             if "EPLB" in body and "No recorded" not in body:
                 assert "port of DeepSeek's EPLB" in body, (page, name)
