@@ -475,9 +475,13 @@ class Receiver:
             if reason is not None:
                 self.on_reject(conn, reason, f"{type(item).__name__.lower()} rejected: {reason}")
         if pending and self._buffered > self.limits.buffer_budget:
+            # Its partial frame goes with it: the bytes are given back before the rejection is counted,
+            # so whoever reads the counter sees the budget kept.
+            self._buffered -= conn.pending_seen
+            conn.pending_seen = 0
+            conn.close("buffer_budget")
             self.on_reject(conn, "buffer_budget", f"partial frames across connections exceed "
                                                   f"{self.limits.buffer_budget} bytes")
-            conn.close("buffer_budget")
 
     def _buffered_bytes(self) -> int:
         """Bytes of partial frames held across all connections (kept as a running total)."""

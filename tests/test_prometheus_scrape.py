@@ -121,8 +121,46 @@ class Stack:
         pytest.fail(f"no {what} within {DEADLINE_S:.0f} s (last: {last!r})\n{self.logs()}")
 
 
+class EngineMetrics:
+    """An engine's /metrics with vLLM's names (TTFT and inter-token latency histograms, requests
+    running) that grows on every scrape, its first tokens slow (0.1-0.5 s): the agent's SLO source has
+    an interval to read each time, and TTFT p99 is over its 200 ms target, so the SLO panels and the
+    MoE attribution have series."""
+
+    def __init__(self):
+        self.scrapes = 0
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+        self.scrapes += 1
+        n = 10.0 * self.scrapes
+        labels = ["model_name", "engine"]
+        ttft = HistogramMetricFamily("vllm:time_to_first_token_seconds", "ttft", labels=labels)
+        ttft.add_metric([MODEL, "0"], [("0.1", 0.0), ("0.5", n), ("+Inf", n)], sum_value=0.3 * n)
+        itl = HistogramMetricFamily("vllm:inter_token_latency_seconds", "itl", labels=labels)
+        itl.add_metric([MODEL, "0"], [("0.01", 0.0), ("0.1", n), ("+Inf", n)], sum_value=0.05 * n)
+        tpot = HistogramMetricFamily("vllm:request_time_per_output_token_seconds", "tpot", labels=labels)
+        tpot.add_metric([MODEL, "0"], [("0.01", 0.0), ("0.1", n), ("+Inf", n)], sum_value=0.05 * n)
+        running = GaugeMetricFamily("vllm:num_requests_running", "running", labels=labels)
+        running.add_metric([MODEL, "0"], 3.0)
+        return [ttft, itl, tpot, running]
+
+
 @pytest.fixture
-def stack(tmp_path):
+def engine_url():
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(EngineMetrics())
+    port = free_port()
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    yield f"http://127.0.0.1:{port}/metrics"
+    server.shutdown()
+
+
+@pytest.fixture
+def stack(tmp_path, engine_url):
     s = Stack(tmp_path)
     sock = tmp_path / "agent.sock"
     config = {
@@ -133,7 +171,9 @@ def stack(tmp_path):
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     try:
         s.procs["agent"] = start(moewatch("agent", "--socket", str(sock), "--listen", s.agent_addr,
-                                          "--log.audit-log", str(tmp_path / "audit.jsonl")), tmp_path / "agent.log", tmp_path)
+                                          "--log.audit-log", str(tmp_path / "audit.jsonl"),
+                                          "--slo.endpoints", f"{MODEL}/{EP_GROUP}={engine_url}",
+                                          "--slo.poll-seconds", "0.5"), tmp_path / "agent.log", tmp_path)
         s.procs["prometheus"] = start(
             ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
              f"--web.listen-address={s.prom_url.removeprefix('http://')}"], tmp_path / "prometheus.log", tmp_path)
