@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import os
+import select
 import selectors
 import socket
 import ssl
@@ -353,7 +354,16 @@ class WebServer:
                     raise
 
             def process_request(self, request, client_address):
-                self.idle.add(request, client_address)  # a thread only once the request arrives
+                # A thread only once the request arrives: a scrape whose request is already here goes
+                # straight to a slot (no hand-over through the idle pool); one still silent waits there.
+                try:
+                    ready = bool(select.select([request], [], [], 0)[0])
+                except (OSError, ValueError):
+                    ready = False
+                if ready:
+                    self.dispatch(request, client_address)
+                else:
+                    self.idle.add(request, client_address)
 
             def dispatch(self, request, client_address):
                 if not slots.acquire(blocking=False):
