@@ -47,6 +47,8 @@ _MEANING = {
     "step_tokens": "tokens in each step's batch [steps]",
     "rank_tokens": "pairs each rank computed [L][W] (v1 extension: per-rank totals, for a source that "
                    "sees no per-expert counts)",
+    "wait_seconds": "all-to-all seconds each rank spent waiting for later ranks, part of dispatch + combine, "
+                    "summed over steps [L][W] (v1 extension: a source that measures its waits)",
 }
 
 

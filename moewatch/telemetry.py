@@ -46,6 +46,9 @@ ARRAY_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "step_tokens": ("i", ("S",)),
     # Additive v1 extension: per-rank totals, for a source that sees no per-expert counts.
     "rank_tokens": ("i", ("L", "W")),
+    # Additive v1 extension: all-to-all seconds each rank spent waiting for later ranks, from a
+    # source that measures it (DeepEP's per-source wait counters); part of dispatch + combine.
+    "wait_seconds": ("f", ("L", "W")),
 }
 # Absent evidence (docs/telemetry.md): a source that cannot measure a field leaves it out (None here, null in
 # JSON, no entry in the binary form) rather than guessing it. Only the placement, the routed counts
@@ -128,6 +131,7 @@ class Window:
     step_seconds: np.ndarray | None = None
     step_tokens: np.ndarray | None = None
     rank_tokens: np.ndarray | None = None
+    wait_seconds: np.ndarray | None = None
     # Fields this reader does not know, kept so a round trip is lossless.
     extra: Mapping[str, Any] = field(default_factory=dict)
     schema: str = SCHEMA
@@ -314,6 +318,7 @@ def validate(w: Window) -> None:
             raise WindowError(name, "contains negative values")
 
     _check_phase_times(w)
+    _check_wait_times(w)
 
     check_placement(w.physical_to_logical_map, E, WindowError)
 
@@ -411,6 +416,22 @@ def _check_phase_times(w: Window) -> None:
             raise WindowError(f"{name}[{layer}][{rank}]",
                               f"{phase[layer, rank]:.9g} s exceeds the rank's layer_seconds "
                               f"{w.layer_seconds[layer, rank]:.9g} s (a phase is timed inside its layer)")
+
+
+def _check_wait_times(w: Window) -> None:
+    """wait_seconds [L, W] is part of the rank's dispatch + combine (same slack as the phases)."""
+    if w.wait_seconds is None:
+        return
+    if not w.has("dispatch_seconds", "combine_seconds"):
+        raise WindowError("wait_seconds", "present without dispatch_seconds and combine_seconds (a wait is "
+                                          "part of the all-to-all time)")
+    a2a = w.dispatch_seconds + w.combine_seconds
+    over = w.wait_seconds > a2a * (1.0 + PHASE_TIME_RELATIVE_SLACK) + PHASE_TIME_ABSOLUTE_SLACK_PER_STEP * max(w.steps, 1)
+    if over.any():
+        layer, rank = map(int, np.argwhere(over)[0])
+        raise WindowError(f"wait_seconds[{layer}][{rank}]",
+                          f"{w.wait_seconds[layer, rank]:.9g} s exceeds the rank's dispatch + combine "
+                          f"{a2a[layer, rank]:.9g} s")
 
 
 def _check_layers(name: str, bad: np.ndarray, message: str, per_element: bool = False) -> None:
@@ -761,6 +782,82 @@ def compute_max_mean(w: Window) -> np.ndarray | None:
     if w.compute_seconds is None:
         return None
     return _ratio(w.compute_seconds.max(axis=1), w.compute_seconds.mean(axis=1), empty=1.0)
+
+
+@_once
+def a2a_transfer_seconds(w: Window) -> np.ndarray | None:
+    """[L] all-to-all seconds per rank that are transfer, not waiting, summed over the window's steps.
+
+    A synchronous all-to-all ends for every rank when the last one has arrived and sent, so the
+    rank that arrives last waits for nobody: its time in the collective is the transfer alone, and
+    what any other rank spends beyond it is waiting. Per phase (dispatch, combine) the least time
+    over ranks is that rank's; the transfer is the sum of both phases' least. A rank's measured
+    waits (DeepEP's per-source wait counters, the `wait_seconds` field) replace the estimate when the
+    window carries them: transfer is then each rank's all-to-all less its wait, the least over ranks."""
+    if not w.has("dispatch_seconds", "combine_seconds"):
+        return None
+    measured = w.wait_seconds
+    if measured is not None:
+        return (a2a_seconds(w) - measured).clip(min=0.0).min(axis=1)
+    return w.dispatch_seconds.min(axis=1) + w.combine_seconds.min(axis=1)
+
+
+@_once
+def a2a_wait_seconds(w: Window) -> np.ndarray | None:
+    """[L, W] all-to-all seconds each rank spent waiting for a later rank (summed over steps): its
+    dispatch + combine less the layer's transfer (a2a_transfer_seconds); measured waits when the
+    window carries them."""
+    measured = w.wait_seconds
+    if measured is not None:
+        return np.asarray(measured, dtype=np.float64)
+    transfer = a2a_transfer_seconds(w)
+    if transfer is None:
+        return None
+    return (a2a_seconds(w) - transfer[:, None]).clip(min=0.0)
+
+
+@_once
+def a2a_transfer_share(w: Window) -> np.ndarray | None:
+    """[L] transfer share of layer time: W x transfer / layer time summed over ranks. Step 1 of the
+    triage uses it: waiting for a slow rank is not communication."""
+    transfer = a2a_transfer_seconds(w)
+    if transfer is None or w.layer_seconds is None:
+        return None
+    return _ratio(transfer * w.world_size, w.layer_seconds.sum(axis=1))
+
+
+@_once
+def a2a_wait_share(w: Window) -> np.ndarray | None:
+    """[L] wait share of layer time, summed over ranks (a2a_share = transfer share + wait share)."""
+    wait = a2a_wait_seconds(w)
+    if wait is None or w.layer_seconds is None:
+        return None
+    return _ratio(wait.sum(axis=1), w.layer_seconds.sum(axis=1))
+
+
+@_once
+def rank_speed(w: Window) -> np.ndarray | None:
+    """[W] pairs each rank computed per second of expert compute, all layers together (a rank's
+    speed, the planner's `rank_speed`); NaN for a rank that computed nothing or timed nothing. None
+    without compute time or rank load."""
+    load = rank_load(w)
+    if load is None or w.compute_seconds is None:
+        return None
+    pairs = load.sum(axis=0).astype(np.float64)
+    seconds = w.compute_seconds.sum(axis=0)
+    out = np.full(w.world_size, np.nan)
+    np.divide(pairs, seconds, out=out, where=(seconds > 0) & (pairs > 0))
+    return out
+
+
+@_once
+def time_balancedness(w: Window) -> np.ndarray | None:
+    """[L] mean/max of each rank's expert compute time, in (0, 1]: balancedness by time, not pairs
+    (a plan in proportion to rank speed lowers plain balancedness and raises this); 1.0 for a layer
+    that computed nothing."""
+    if w.compute_seconds is None:
+        return None
+    return _ratio(w.compute_seconds.mean(axis=1), w.compute_seconds.max(axis=1), empty=1.0)
 
 
 @_once
