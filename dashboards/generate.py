@@ -302,9 +302,12 @@ def layer() -> dash_b.Dashboard:
          query(f"max(moewatch_layer_compute_seconds{{{LAYER_SEL}}})", "expert compute", "B"),
          query(f"max(moewatch_layer_seconds{{{LAYER_SEL}}})", "whole layer", "C")])
     share = series_panel(
-        "All-to-all share of layer time",
-        f"Triage step 1: at or above {T.comm_share:g} communication dominates ([a2a-bottleneck]).", "percentunit",
-        [query(f"max(moewatch_layer_a2a_share_ratio{{{LAYER_SEL}}})", "all-to-all share", "A")],
+        "All-to-all share of layer time: transfer and waiting",
+        f"Triage step 1 uses the transfer: at or above {T.comm_share:g} communication dominates ([a2a-bottleneck]). "
+        "Waiting for a later rank is a straggler's cost (step 2), not communication.", "percentunit",
+        [query(f"max(moewatch_layer_a2a_share_ratio{{{LAYER_SEL}}})", "all-to-all share", "A"),
+         query(f"max(moewatch_layer_a2a_transfer_share_ratio{{{LAYER_SEL}}})", "transfer", "B"),
+         query(f"max(moewatch_layer_a2a_wait_share_ratio{{{LAYER_SEL}}})", "waiting for a later rank", "C")],
         limit=T.comm_share).min(0).max(1)
     a2a_p = series_panel(
         "All-to-all per step, p50 and p99 (5m)",

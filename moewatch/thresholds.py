@@ -26,7 +26,7 @@ def _t(default: float, source: str, help: str, lo: float = 0.0, hi: float = math
 class Thresholds:
     comm_share: float = _t(
         0.5, "[a2a-bottleneck]: all-to-all near or above half of layer time means communication dominates",
-        "all-to-all share of layer time at or above which a layer is communication-dominated", 0.0, 1.0)
+        "all-to-all transfer share of layer time (waiting left out) at or above which a layer is communication-dominated", 0.0, 1.0)
     rank_load_cv: float = _t(
         0.3, "[serving-2026]: expert load per card, std/mean < 0.3",
         "std/mean of per-rank load above which ranks are imbalanced")
@@ -57,6 +57,10 @@ class Thresholds:
     compute_straggler_max_mean: float = _t(
         1.3, "moewatch: the slowest rank's expert compute 30 % above the mean at even load",
         "max/mean of per-rank compute time above which a rank is a hardware straggler", 1.0)
+    straggler_wait_share: float = _t(
+        0.25, "moewatch: the ranks wait a quarter of layer time inside the all-to-all for one that arrives later",
+        "share of layer time ranks spend waiting for a later rank at or above which that rank is a straggler "
+        "(used when expert compute does not name one)", 0.0, 1.0)
     effective_capacity_factor: float = _t(
         0.8, "[serving-2026]: capacity_factor_effective > 0.8",
         "computed pairs over granted capacity below which capacity is mostly padding", 0.0, 1.0)

@@ -1,16 +1,21 @@
 """The documented triage order ([a2a-bottleneck], "observable signals and fault location"), per layer.
 
-1. All-to-all share of layer time: at or above `comm_share`, communication dominates.
-2. Dispersion of per-rank load (std/mean, max/mean): large means load imbalance. A fast rank's
-   all-to-all time includes its wait for the straggler, so a high share *with* large dispersion is
-   imbalance, not volume: this step is what tells the two apart.
+1. All-to-all share of layer time: at or above `comm_share`, communication dominates. The share is
+   the transfer only: a synchronous all-to-all ends for all ranks when the last has arrived, so the
+   rank that arrives last spends only the transfer and what the others spend beyond it is waiting
+   (telemetry.a2a_transfer_seconds; measured waits when the window carries `wait_seconds`). Waiting
+   is evidence for step 2: a rank that arrives late at even load is a straggler.
+2. Dispersion of per-rank load (std/mean, max/mean): large means load imbalance, unless expert
+   compute time is even (the ranks carry load in proportion to their speed, as a plan made for a
+   slow rank does on purpose: time sets the step, not pairs).
 3. Cross-rank ratio against what the placement predicts: well above it means the expert-to-rank
    mapping drives the traffic; at the prediction, the traffic is the inherent volume.
 
 Verdicts and causes:
 - imbalance-bound / hot-experts: ranks imbalanced and a few experts carry the load.
 - imbalance-bound / straggler: ranks imbalanced without hot experts (the packing puts too much on
-  one rank), or, at even load, one rank's expert compute is much slower (a slow device).
+  one rank), or, at even load, one rank's expert compute is much slower (a slow device), or the
+  others wait `straggler_wait_share` of layer time for one rank that arrives last.
 - comm-bound / small-batch: balanced, comm-dominated, messages under the seed's 32 KB.
 - comm-bound / placement: balanced, comm-dominated, cross-rank ratio above the prediction.
 - comm-bound / volume: balanced, comm-dominated, traffic as the placement predicts.
@@ -258,8 +263,11 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
     load = tm.rank_load(w)
     bound = tm.a2a_lower_bound_seconds(w, t.link_bandwidth_bytes_per_second)
     measured = tm.a2a_measured_seconds(w)
+    a2a = tm.a2a_seconds(w)
     cols = {
         "a2a_share": tm.a2a_share(w),
+        "a2a_transfer_share": tm.a2a_transfer_share(w),
+        "a2a_wait_share": tm.a2a_wait_share(w),
         "rank_load_max_min": tm.rank_load_max_min(w),
         "rank_load_max_mean": tm.rank_load_max_mean(w),
         "rank_load_cv": tm.rank_load_cv(w),
@@ -277,6 +285,7 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         "compute_seconds_per_step": tm.per_step_max(w, "compute_seconds"),
         "layer_seconds_per_step": tm.per_step_max(w, "layer_seconds"),
         "compute_max_mean": tm.compute_max_mean(w),
+        "time_balancedness": tm.time_balancedness(w),
         "mean_message_bytes": tm.mean_message_bytes(w),
         "capacity_factor": w.capacity_factor,
     }
@@ -295,6 +304,9 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         "rerouted_pairs": _int_column(w.rerouted_tokens, L),
         "rank_load": [None] * L if load is None else np.asarray(load).astype(np.int64).tolist(),
         "busiest_rank": [None] * L if load is None else np.argmax(load, axis=1).tolist(),
+        # The rank the others wait for: the least time inside the all-to-all (it arrived last).
+        "last_arriving_rank": [None] * L if a2a is None else np.argmin(a2a, axis=1).tolist(),
+        "slowest_compute_rank": [None] * L if w.compute_seconds is None else np.argmax(w.compute_seconds, axis=1).tolist(),
         "hot_experts": [None] * L if hot is None else hot,
         "cross_node_ratio": _finite_column(cross_node, L),
         "expected_cross_node_ratio": _finite_column(expected_node, L),
@@ -361,8 +373,9 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
         evidence.append("The layer routed no pairs in this window: nothing to judge.")
         return LayerDiagnosis(layer, HEALTHY, None, False, m, evidence, [], 0.0, missing), True
 
-    # 1. Is communication dominant?
-    share = m["a2a_share"]
+    # 1. Is communication dominant? Transfer only: what a rank spends in the all-to-all waiting for a
+    # later one is step 2's evidence (a straggler), not communication.
+    share, transfer, wait = m["a2a_share"], m["a2a_transfer_share"], m["a2a_wait_share"]
     comm: bool | None = None
     if share is None:
         evidence.append(unknown_text("All-to-all share of layer time", "a2a_time"))
@@ -371,18 +384,29 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
             evidence.append(f"Per step, all layers together (not this layer's share): all-to-all takes "
                             f"{step_share:.0%} of step time.")
     else:
-        comm = share >= t.comm_share
+        comm = transfer >= t.comm_share
+        basis = "measured waits" if w.wait_seconds is not None else "the last rank to arrive waits for nobody"
         evidence.append(
-            f"All-to-all takes {share:.0%} of layer time (threshold {t.comm_share:.0%}): "
+            f"All-to-all takes {share:.0%} of layer time: {transfer:.0%} transfer, {wait:.0%} waiting for a later "
+            f"rank ({basis}); transfer against the threshold {t.comm_share:.0%}: "
             + ("communication dominates." if comm else "communication does not dominate."))
 
     # 2. Are the ranks balanced?
     busiest, cv, max_mean = m["busiest_rank"], m["rank_load_cv"], m["rank_load_max_mean"]
     imbalanced: bool | None = None
+    time_even = (m["compute_max_mean"] is not None and m["compute_max_mean"] <= t.compute_straggler_max_mean)
     if cv is None:
         evidence.append(unknown_text("Rank load", "rank_load"))
     else:
         imbalanced = cv > t.rank_load_cv or max_mean > t.rank_load_max_mean
+        if imbalanced and time_even:
+            # Uneven pairs at even time: the ranks compute in proportion to their speed (a plan
+            # made for a slow rank does this on purpose); time, not pairs, sets the step.
+            imbalanced = False
+            evidence.append(
+                f"Rank load is uneven (max/mean {max_mean:.2f}) but expert compute time is even (max/mean "
+                f"{m['compute_max_mean']:.2f}, time balancedness {m['time_balancedness']:.2f}): the ranks "
+                "carry load in proportion to their speed.")
         max_min = m["rank_load_max_min"]
         max_min_text = "inf" if max_min is None else f"{max_min:.2f}"
         if imbalanced:
@@ -390,7 +414,7 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
                 f"Rank {busiest} computes {max_mean:.2f}x the mean load (max/min {max_min_text}, "
                 f"std/mean {cv:.2f}; threshold {t.rank_load_cv:.2f}): the other ranks wait for it"
                 + (" inside the all-to-all." if comm else "."))
-        else:
+        elif not (cv > t.rank_load_cv or max_mean > t.rank_load_max_mean):
             evidence.append(f"Ranks are balanced: std/mean {cv:.2f}, max/mean {max_mean:.2f}.")
     hot = m["hot_experts"]
     skewed = bool(hot) and m["expert_load_cv"] > t.expert_load_cv
@@ -447,9 +471,16 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
     elif (imbalanced is False and m["compute_max_mean"] is not None
           and m["compute_max_mean"] > t.compute_straggler_max_mean):
         verdict, cause = IMBALANCE_BOUND, "straggler"
-        slow = int(np.argmax(w.compute_seconds[layer]))
+        slow = m["slowest_compute_rank"]
+        waited = "" if not wait else f"; the other ranks wait for it inside the all-to-all ({wait:.0%} of layer time)"
         evidence.append(f"At even load, rank {slow}'s expert compute takes {m['compute_max_mean']:.2f}x the "
-                        "mean: a slow device.")
+                        f"mean: a slow device{waited}.")
+    elif imbalanced is False and wait is not None and wait >= t.straggler_wait_share:
+        # Someone arrives late although load is even and no rank's expert compute stands out (or it
+        # was not timed): the delay is before this layer's experts (attention, the host, the device).
+        verdict, cause = IMBALANCE_BOUND, "straggler"
+        evidence.append(f"At even load, the ranks wait {wait:.0%} of layer time inside the all-to-all for rank "
+                        f"{m['last_arriving_rank']}, the last to arrive (threshold {t.straggler_wait_share:.0%}).")
     else:
         verdict, cause = HEALTHY, None
     if overflow:
@@ -470,7 +501,7 @@ def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds, verdi
         return []  # every action names experts or re-packs their load: nothing to propose from rank totals
     # Gains are relative to the busiest rank's measured load: unknown (None) without rank load.
     now_max = None if m["rank_load"] is None else float(max(np.max(m["rank_load"]), 1))
-    share = m["a2a_share"]
+    share = m["a2a_transfer_share"]  # what a communication action can remove: the transfer, not the waiting
     actions: list[Action] = []
 
     def relief(after: float) -> float | None:
@@ -496,14 +527,23 @@ def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds, verdi
             speed = np.asarray(m["rank_load"], dtype=np.float64) / compute
             balanced_time = float(np.sum(m["rank_load"]) / speed.sum())
             compute_share = float(compute.max() / max(w.layer_seconds[layer].max(), 1e-12))
-            gain = max(gain or 0.0, compute_share * (1.0 - balanced_time / float(compute.max())))
+            speed_gain = compute_share * (1.0 - balanced_time / float(compute.max()))
+            if speed_gain > (gain or 0.0):
+                gain = speed_gain
+                relative = speed / speed.max()
+                actions.append(Action(
+                    "placement", gain,
+                    "Re-solve the expert placement with each rank's speed (moewatch plan --rank-speed "
+                    f"{','.join(f'{v:.2f}' for v in relative)}): load in proportion to speed, heaviest to fastest.",
+                    {"rank_speed": [round(float(v), 4) for v in relative]}))
         if cause == "placement":
             cross, expected = m["cross_rank_ratio"], m["expected_cross_rank_ratio"]
             gain = max(gain or 0.0, share * (cross - expected) / max(cross, 1e-9))
-        actions.append(Action("placement", gain,
-                              "Re-solve the expert placement (moewatch plan): balance rank load"
-                              + (" and co-locate experts tokens use together." if cause == "placement" else "."),
-                              {}))
+        if not any(a.kind == "placement" for a in actions):
+            actions.append(Action("placement", gain,
+                                  "Re-solve the expert placement (moewatch plan): balance rank load"
+                                  + (" and co-locate experts tokens use together." if cause == "placement" else "."),
+                                  {}))
 
     if overflow:
         routed = w.expert_tokens[layer:layer + 1]

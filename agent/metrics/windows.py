@@ -31,6 +31,18 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 # --- per layer, from the latest window (gauges) and accumulated over windows (counters)
 LAYER_A2A_SHARE = Gauge("moewatch_layer_a2a_share_ratio", LAYER,
                         "All-to-all (dispatch + combine) share of layer time, summed over ranks.", unit="ratio")
+LAYER_A2A_TRANSFER_SHARE = Gauge(
+    "moewatch_layer_a2a_transfer_share_ratio", LAYER,
+    "Transfer part of the all-to-all share of layer time (triage step 1): the last rank to arrive waits for "
+    "nobody, or the runtime's measured waits.", unit="ratio")
+LAYER_A2A_WAIT_SHARE = Gauge(
+    "moewatch_layer_a2a_wait_share_ratio", LAYER,
+    "Share of layer time ranks spend inside the all-to-all waiting for a later rank (a straggler's cost).",
+    unit="ratio")
+LAYER_TIME_BALANCEDNESS = Gauge(
+    "moewatch_layer_time_balancedness_ratio", LAYER,
+    "Mean over max of per-rank expert compute time (1 = balanced by time; a plan for a slow rank lowers "
+    "plain balancedness and raises this).", unit="ratio")
 LAYER_DISPATCH = Gauge("moewatch_layer_dispatch_seconds", LAYER,
                        "Dispatch all-to-all time per step, slowest rank.", unit="seconds")
 LAYER_COMBINE = Gauge("moewatch_layer_combine_seconds", LAYER,
@@ -136,6 +148,9 @@ class GroupExportMemory:
 # Per-layer gauges and the diagnosis metric each one shows.
 LAYER_GAUGES = {
     LAYER_A2A_SHARE: "a2a_share",
+    LAYER_A2A_TRANSFER_SHARE: "a2a_transfer_share",
+    LAYER_A2A_WAIT_SHARE: "a2a_wait_share",
+    LAYER_TIME_BALANCEDNESS: "time_balancedness",
     LAYER_DISPATCH: "dispatch_seconds_per_step",
     LAYER_COMBINE: "combine_seconds_per_step",
     LAYER_COMPUTE: "compute_seconds_per_step",
