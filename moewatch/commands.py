@@ -72,7 +72,7 @@ def _gain(action) -> str:
 
 def format_table(diagnosis: WindowDiagnosis, colour: bool) -> str:
     rows = []
-    header = ("layer", "verdict", "cause", "ovfl", "a2a (wait)", "rank max/mean", "expert cv", "cross/pred",
+    header = ("layer", "verdict", "cause", "ovfl", "a2a/wait", "rank max/mean", "expert cv", "cross/pred",
               "balanced", "missing", "first action")
     for d in diagnosis.worst_first():
         m = d.metrics
@@ -80,7 +80,7 @@ def format_table(diagnosis: WindowDiagnosis, colour: bool) -> str:
         ovfl = "?" if m["overflow_rate"] is None else (f"{m['overflow_rate']:.1%}" if d.overflow else "-")
         rows.append((
             str(d.layer), d.verdict, d.cause or ("?" if d.verdict != "healthy" else "-"), ovfl,
-            f"{_cell(m['a2a_share'], '.0%')} ({_cell(m['a2a_wait_share'], '.0%')})", _cell(m["rank_load_max_mean"], ".2f"), _cell(m["expert_load_cv"], ".2f"),
+            f"{_cell(m['a2a_share'], '.0%')}/{_cell(m['a2a_wait_share'], '.0%')}", _cell(m["rank_load_max_mean"], ".2f"), _cell(m["expert_load_cv"], ".2f"),
             f"{_cell(m['cross_rank_ratio'], '.0%')}/{_cell(m['expected_cross_rank_ratio'], '.0%')}",
             _cell(m["balancedness"], ".3f"), ",".join(d.missing) or "-",
             f"{first.kind} ({_gain(first)}): {first.summary}" if first else "-"))

@@ -229,6 +229,8 @@ def without_evidence(w: Window, fields) -> Window:
     changes = {name: None for name in fields}
     if "expert_tokens" in fields:
         changes.update(rank_tokens=tm.rank_load(w), dropped_tokens=None, rerouted_tokens=None)
+    if {"dispatch_seconds", "combine_seconds"} & set(fields):
+        changes["wait_seconds"] = None  # a wait is part of the all-to-all time: it goes with it
     if "example" in extra:
         extra["example"] = {**extra["example"], "absent": sorted(n for n, v in changes.items() if v is None)}
     return w.replace(extra=extra, **changes)
@@ -315,5 +317,7 @@ def production_window(seed: int = 0, *, num_layers: int = 58, num_experts: int =
         rerouted_tokens=np.zeros((L, E), np.int64), capacity_factor=np.zeros(L), local_tokens=local,
         sent_tokens=sent, received_tokens=received, traffic=traffic, dispatch_seconds=dispatch,
         combine_seconds=combine, compute_seconds=compute, layer_seconds=layer_seconds,
+        # What a source that counts its waits reports: the combine's wait for the slowest compute.
+        wait_seconds=compute.max(axis=1, keepdims=True) - compute,
         step_seconds=np.full(steps, step) * (1 + 0.02 * rng.standard_normal(steps).clip(-2, 2)),
         step_tokens=np.full(steps, tokens_per_step))
