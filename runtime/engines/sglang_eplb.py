@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from moewatch.planner.placement_math import replica_counts_of
-from moewatch.planner.rebalance import (DecisionRecords, RebalanceDecision, RebalanceSettings, gated_rebalance,
-                                        switched_on)
+from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance
+
+from .rebalance_hook import RebalanceHookState, package_version
 
 logger = logging.getLogger("moewatch.sglang.eplb")
 
@@ -37,35 +38,31 @@ TARGET = "sglang.srt.eplb.eplb_algorithms.rebalance_experts"
 EXPECTED_PARAMETERS = ("tokens_per_expert", "num_physical_experts", "num_local_physical_experts", "num_groups",
                        "num_nodes", "algorithm")
 
-# Per process, never part of a decision.
-_state: dict[str, Any] = {"registered": False, "fallbacks": 0, "last_decision": None, "records": DecisionRecords(),
-                          "settings": None}
+# Per process, never part of a decision (rebalance_hook.py).
+_hook = RebalanceHookState("sglang", "SGLang's own EPLB algorithm", logger)
 
 
 def register(environ=os.environ) -> bool:
     """The entry point: register the hook when MOEWATCH_EPLB is on; True when it is registered.
     Idempotent; never raises (a bad setting or another interface leaves SGLang's algorithm)."""
-    if not switched_on(environ):
-        return False
-    if _state["registered"]:
+    if _hook.installed:
         return True
-    try:
-        settings = RebalanceSettings.from_env(environ)
-    except ValueError as exc:
-        logger.warning("moewatch: %s; SGLang's own EPLB algorithm stays", exc)
+    settings = _hook.settings_from_env(environ)
+    if settings is None:
         return False
     try:
         from sglang.srt.eplb import eplb_algorithms, expert_location
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     except ImportError as exc:
         logger.warning("moewatch: SGLang %s lacks what the EPLB hook needs (%s); SGLang's own algorithm stays",
-                       _sglang_version(), exc)
+                       package_version("sglang"), exc)
         return False
     problem = interface_problem(eplb_algorithms, expert_location)
     if problem is not None:
-        logger.warning("moewatch: SGLang %s: %s; SGLang's own EPLB algorithm stays", _sglang_version(), problem)
+        logger.warning("moewatch: SGLang %s: %s; SGLang's own EPLB algorithm stays", package_version("sglang"),
+                       problem)
         return False
-    _state.update(settings=settings, registered=True)
+    _hook.install(settings)
     HookRegistry.register(TARGET, rebalance_around, HookType.AROUND)
     logger.info("moewatch: SGLang's rebalance_experts answers with moewatch's planner (settings %s)",
                 settings.to_dict())
@@ -97,17 +94,11 @@ def rebalance_around(original, *args, **kwargs):
         values = bound.arguments
         tensors, decision = decide(values["tokens_per_expert"], values["num_physical_experts"],
                                    values["num_local_physical_experts"], values["num_nodes"],
-                                   current_map(), _state["settings"] or RebalanceSettings())
+                                   current_map(), _hook.settings or RebalanceSettings())
     except Exception as exc:  # never into SGLang's rebalance: its own algorithm's answer instead
-        _state["fallbacks"] += 1
-        if _state["fallbacks"] == 1:
-            logger.warning("moewatch: EPLB hook failed (%s: %s); SGLang's own algorithm answers this call and any "
-                           "later failure (counted, not logged again)", type(exc).__name__, exc, exc_info=exc)
-        _state["last_decision"] = None
-        _state["records"].append({"engine": "sglang", "fallback": True, "error": f"{type(exc).__name__}: {exc}"})
+        _hook.fell_back(exc)
         return original(*args, **kwargs)
-    _state["last_decision"] = decision
-    _state["records"].append({"engine": "sglang", **decision.record()})
+    _hook.decided(decision)
     return tensors
 
 
@@ -155,29 +146,18 @@ def logical_maps(pmap: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.nda
 
 def fallbacks() -> int:
     """How many calls in this process returned SGLang's own algorithm's result after an error."""
-    return int(_state["fallbacks"])
+    return _hook.fallbacks
 
 
 def last_decision() -> RebalanceDecision | None:
-    return _state["last_decision"]
+    return _hook.last_decision
 
 
 def take_records() -> list[dict[str, Any]]:
-    """The records of this process's policy calls since the last take (decisions and fallbacks),
-    for the windows the adapter sends (`extra["engine_rebalance"]`)."""
-    return _state["records"].take()
+    return _hook.take_records()
 
 
 def window_extra() -> dict[str, Any]:
     """{"engine_rebalance": records} for the forward hook's next window, or {} when none is pending."""
     records = take_records()
     return {"engine_rebalance": records} if records else {}
-
-
-def _sglang_version() -> str:
-    try:
-        import sglang
-
-        return str(getattr(sglang, "__version__", "unknown"))
-    except Exception:
-        return "unknown"

@@ -24,44 +24,39 @@ from typing import Any
 
 import numpy as np
 
-from moewatch.planner.rebalance import (DecisionRecords, RebalanceDecision, RebalanceSettings, gated_rebalance,
-                                        switched_on)
+from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance
+
+from .rebalance_hook import RebalanceHookState, package_version
 
 logger = logging.getLogger("moewatch.vllm.eplb")
 
 EXPECTED_PARAMETERS = ("weight", "num_replicas", "num_groups", "num_nodes", "num_ranks",
                        "old_global_expert_indices")
 
-# Per process, never part of a decision: what was installed, how often vLLM's policy stood in, and
-# the last decision (for the adapter that reports it).
-_state: dict[str, Any] = {"installed": False, "original": None, "fallbacks": 0, "last_decision": None,
-                          "records": DecisionRecords(), "settings": None}
+# Per process, never part of a decision (rebalance_hook.py).
+_hook = RebalanceHookState("vllm", "vLLM's own EPLB policy", logger)
 
 
 def install_from_env(environ=os.environ) -> bool:
     """Replace vLLM's default EPLB policy when MOEWATCH_EPLB is on; True when ours is in place.
     Idempotent. Never raises: a bad setting or another interface leaves vLLM's policy in place."""
-    if not switched_on(environ):
-        return False
-    if _state["installed"]:
+    if _hook.installed:
         return True
-    try:
-        settings = RebalanceSettings.from_env(environ)
-    except ValueError as exc:
-        logger.warning("moewatch: %s; vLLM's own EPLB policy stays", exc)
+    settings = _hook.settings_from_env(environ)
+    if settings is None:
         return False
     try:
         from vllm.distributed.eplb import policy as policies
     except ImportError as exc:
         logger.warning("moewatch: vLLM %s has no EPLB policy registry (%s); vLLM's own policy stays",
-                       _vllm_version(), exc)
+                       package_version("vllm"), exc)
         return False
     problem = interface_problem(policies)
     if problem is not None:
-        logger.warning("moewatch: vLLM %s: %s; vLLM's own EPLB policy stays", _vllm_version(), problem)
+        logger.warning("moewatch: vLLM %s: %s; vLLM's own EPLB policy stays", package_version("vllm"), problem)
         return False
     original = policies.EPLB_POLICIES["default"]
-    _state.update(original=original, settings=settings, installed=True)
+    _hook.install(settings)
     policies.EPLB_POLICIES["default"] = make_policy(policies.AbstractEplbPolicy, original, settings)
     logger.info("moewatch: vLLM's EPLB policy \"default\" is moewatch's planner (settings %s)", settings.to_dict())
     return True
@@ -96,10 +91,10 @@ def make_policy(base: type, original: type, settings: RebalanceSettings) -> type
             try:
                 decision = decide(weight, num_replicas, num_nodes, num_ranks, old_global_expert_indices, settings)
             except Exception as exc:  # never into vLLM's thread: its own policy's answer instead
-                return _fall_back(exc, original, weight, num_replicas, num_groups, num_nodes, num_ranks,
-                                  old_global_expert_indices)
-            _state["last_decision"] = decision
-            _state["records"].append({"engine": "vllm", **decision.record()})
+                _hook.fell_back(exc)
+                return original.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
+                                                  old_global_expert_indices)
+            _hook.decided(decision)
             import torch
 
             return torch.from_numpy(np.ascontiguousarray(decision.physical_to_logical_map, dtype=np.int64))
@@ -133,27 +128,15 @@ def check_map(pmap: np.ndarray, num_layers: int, num_experts: int, num_replicas:
 
 def fallbacks() -> int:
     """How many calls in this process returned vLLM's own policy's result."""
-    return int(_state["fallbacks"])
+    return _hook.fallbacks
 
 
 def last_decision() -> RebalanceDecision | None:
-    return _state["last_decision"]
+    return _hook.last_decision
 
 
 def take_records() -> list[dict[str, Any]]:
-    """The records of this process's policy calls since the last take (decisions and fallbacks),
-    for the windows the adapter sends (`extra["engine_rebalance"]`)."""
-    return _state["records"].take()
-
-
-def _fall_back(exc: Exception, original, *args):
-    _state["fallbacks"] += 1
-    if _state["fallbacks"] == 1:
-        logger.warning("moewatch: EPLB policy failed (%s: %s); vLLM's own policy answers this call and any "
-                       "later failure (counted, not logged again)", type(exc).__name__, exc, exc_info=exc)
-    _state["last_decision"] = None
-    _state["records"].append({"engine": "vllm", "fallback": True, "error": f"{type(exc).__name__}: {exc}"})
-    return original.rebalance_experts(*args)
+    return _hook.take_records()
 
 
 def _numpy(tensor, dtype) -> np.ndarray:
@@ -161,12 +144,3 @@ def _numpy(tensor, dtype) -> np.ndarray:
         tensor = tensor.detach().cpu()
         return (tensor.double() if dtype == np.float64 else tensor.long()).numpy()
     return np.asarray(tensor, dtype=dtype)
-
-
-def _vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(getattr(vllm, "__version__", "unknown"))
-    except Exception:
-        return "unknown"

@@ -159,7 +159,7 @@ def test_windows_carry_the_eplb_hooks_decisions_since_the_last_window(tmp_path, 
     model = Model(ids)
     register_forward_hooks(model, spec())
     sglang_eplb.take_records()  # nothing left from another test
-    sglang_eplb._state["records"].append({"engine": "sglang", "layers_moved": 3})
+    sglang_eplb._hook.records.append({"engine": "sglang", "layers_moved": 3})
     model(torch.zeros(1, 4))
     first = made[0].flush()
     model(torch.zeros(1, 4))
