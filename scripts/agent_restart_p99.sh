@@ -9,8 +9,8 @@
 set -u
 S=${1:?up, kill or control}; D=${2:-/tmp/moewatch-restart-$S}; PY=${PY:-python3}
 rm -rf "$D"; mkdir -p "$D"
-agent() { $PY -m moewatch.cli agent --socket "$D/a.sock" --listen 127.0.0.1:0 --audit-log "$D/audit.jsonl" \
-  --log-level info 2>>"$D/agent.log" & echo $! > "$D/agent.pid"; }
+agent() { $PY -m moewatch.cli agent --socket "$D/a.sock" --listen 127.0.0.1:0 --log.audit-log "$D/audit.jsonl" \
+  --log.level info 2>>"$D/agent.log" & echo $! > "$D/agent.pid"; }
 agent
 sleep 3
 SOCK=(--socket "$D/a.sock"); [ "$S" = control ] && SOCK=()

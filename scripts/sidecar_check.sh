@@ -23,7 +23,7 @@ cd "$VENV"
 bin/moewatch diagnose "$REPO/examples/imbalance-hot-experts.json" --json \
   | bin/python -c "import json, sys; print('diagnose:', sorted({l['verdict'] for l in json.load(sys.stdin)['layers']}))"
 
-bin/moewatch agent --socket agent.sock --listen "127.0.0.1:$PORT" --audit-log audit.jsonl --log-level warning &
+bin/moewatch agent --socket agent.sock --listen "127.0.0.1:$PORT" --log.audit-log audit.jsonl --log.level warning &
 agent=$!
 healthz="import urllib.request as u; print('agent /healthz:', u.urlopen('http://127.0.0.1:$PORT/healthz').status)"
 ok=1

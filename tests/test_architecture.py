@@ -107,3 +107,17 @@ def test_imports_of_resolves_relative_imports(tmp_path):
     mod = tmp_path / "m.py"
     mod.write_text("from . import policy\nfrom ..planner import solve\nimport torch\n")
     assert imports_of(mod, "moewatch.agent") == {"moewatch.agent.policy", "moewatch.planner", "torch"}
+
+
+def test_every_package_folder_is_listed_for_the_install():
+    # A subpackage pyproject does not list is missing from a wheel (`pip install .`, the Docker image)
+    # while an editable install still finds it: the sidecar then fails at import in production only.
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for folder, package in ROOMS.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(REPO / folder).parts
+            found.add(".".join((package, *parts)))
+    assert found - listed == set(), f"packages missing from pyproject's [tool.setuptools] packages: {found - listed}"
