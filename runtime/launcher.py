@@ -232,9 +232,7 @@ class RuntimeResult:
 def launch(config: RuntimeConfig, on_interrupt: Callable | None = None) -> RuntimeResult:
     """Validate, spawn the EP group, run the workload, return the measurements."""
     validate(config)
-    if config.hot_on_rank is not None and config.placement is None:
-        from .workload import hot_start_placement
-        config = config.replace(placement=hot_start_placement(config).tolist())
+    config = with_start_placement(config)
     if config.workload == "trace":
         from .workload import TraceRouting
         TraceRouting(config.trace, config.layers, config.experts, config.top_k, config.ranks)  # fail early
@@ -245,6 +243,15 @@ def launch(config: RuntimeConfig, on_interrupt: Callable | None = None) -> Runti
     result = _merge(config, per_rank)
     result.cpu_binding = binding
     return result
+
+
+def with_start_placement(config: RuntimeConfig) -> RuntimeConfig:
+    """The config with `hot_on_rank`'s skewed start written out as its placement (every rank must
+    start from the same map, so it is worked out before the ranks start)."""
+    if config.hot_on_rank is not None and config.placement is None:
+        from .workload import hot_start_placement
+        return config.replace(placement=hot_start_placement(config).tolist())
+    return config
 
 
 def _merge(cfg: RuntimeConfig, per_rank: list[dict]) -> RuntimeResult:
