@@ -39,6 +39,7 @@ from .ep_rank import EPEngine
 from .model import input_batch
 from .probe import RUNTIME_NAME, Probe, ProbeConfig
 from .sender import Sender
+from .slowdown import Slowdown
 from .workload import Workload
 
 log = logging.getLogger("moewatch.runtime.launcher")
@@ -355,6 +356,7 @@ def _run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int, l
                             layers_per_step=cfg.migrate_layers_per_step, inject_failure=cfg.inject_migration_failure)
     live.update(controller=controller, sender=sender)
     workload = Workload(cfg, rank)
+    slowdown = Slowdown(rank, cfg.slow_rank, cfg.slow_factor, cfg.slowdown_file)
     scripted = sorted((int(step), plan) for step, plan in cfg.scripted_plans) if rank == 0 else []
     if sender is not None:
         sender.start()
@@ -374,6 +376,7 @@ def _run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int, l
             break
         if step == cfg.warmup_steps:
             measured_from = time.perf_counter()
+        engine.slow_factor = slowdown.refresh()  # one stat per step, never per layer
         batch = workload.batch(step)
         x = input_batch(cfg.seed, step, rank, cfg.batch_tokens, cfg.hidden)
         t0 = time.perf_counter()
