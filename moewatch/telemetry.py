@@ -851,6 +851,17 @@ def rank_speed(w: Window) -> np.ndarray | None:
 
 
 @_once
+def relative_rank_speed(w: Window) -> np.ndarray | None:
+    """[W] each rank's speed (rank_speed, all layers) over the median rank's: 1.0 is a typical rank,
+    0.5 one that computes half as many pairs per second. NaN where the speed is unknown; None without
+    compute time or rank load, or when no rank has a speed."""
+    speed = rank_speed(w)
+    if speed is None or not np.isfinite(speed).any():
+        return None
+    return speed / np.nanmedian(speed)
+
+
+@_once
 def time_balancedness(w: Window) -> np.ndarray | None:
     """[L] mean/max of each rank's expert compute time, in (0, 1]: balancedness by time, not pairs
     (a plan in proportion to rank speed lowers plain balancedness and raises this); 1.0 for a layer

@@ -57,6 +57,10 @@ class Thresholds:
     compute_straggler_max_mean: float = _t(
         1.3, "moewatch: the slowest rank's expert compute 30 % above the mean at even load",
         "max/mean of per-rank compute time above which a rank is a hardware straggler", 1.0)
+    straggler_relative_speed: float = _t(
+        0.85, "moewatch: a rank under 85 % of the median rank's pairs per compute second, all layers of a window "
+        "(a slow device is slow in every layer; one layer's time is noisy)",
+        "speed relative to the median rank under which a rank at even load is a straggler", 0.0, 1.0)
     straggler_wait_share: float = _t(
         0.25, "moewatch: the ranks wait a quarter of layer time inside the all-to-all for one that arrives later",
         "share of layer time ranks spend waiting for a later rank at or above which that rank is a straggler "

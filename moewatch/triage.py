@@ -289,6 +289,9 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         "mean_message_bytes": tm.mean_message_bytes(w),
         "capacity_factor": w.capacity_factor,
     }
+    relative = tm.relative_rank_speed(w)
+    slow_rank = None if relative is None else int(np.nanargmin(relative))
+    slow_speed = None if relative is None else float(relative[slow_rank])
     hot = tm.hot_experts(w, t.hot_expert_multiple)
     # Groups that span nodes: the share of pairs over the slower inter-node link (topology.py).
     cross_node = topology.cross_node_ratio(w.traffic, w.world_size, w.ranks_per_node, w.num_layers)
@@ -307,6 +310,9 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         # The rank the others wait for: the least time inside the all-to-all (it arrived last).
         "last_arriving_rank": [None] * L if a2a is None else np.argmin(a2a, axis=1).tolist(),
         "slowest_compute_rank": [None] * L if w.compute_seconds is None else np.argmax(w.compute_seconds, axis=1).tolist(),
+        # Window-wide (a device is slow in every layer): the slowest rank and its speed over the median's.
+        "slow_rank": [slow_rank] * L,
+        "slow_rank_relative_speed": [slow_speed] * L,
         "hot_experts": [None] * L if hot is None else hot,
         "cross_node_ratio": _finite_column(cross_node, L),
         "expected_cross_node_ratio": _finite_column(expected_node, L),
@@ -395,11 +401,13 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
     busiest, cv, max_mean = m["busiest_rank"], m["rank_load_cv"], m["rank_load_max_mean"]
     imbalanced: bool | None = None
     time_even = (m["compute_max_mean"] is not None and m["compute_max_mean"] <= t.compute_straggler_max_mean)
+    balanced_by_speed = False
     if cv is None:
         evidence.append(unknown_text("Rank load", "rank_load"))
     else:
         imbalanced = cv > t.rank_load_cv or max_mean > t.rank_load_max_mean
-        if imbalanced and time_even:
+        balanced_by_speed = bool(imbalanced and time_even)
+        if balanced_by_speed:
             # Uneven pairs at even time: the ranks compute in proportion to their speed (a plan
             # made for a slow rank does this on purpose); time, not pairs, sets the step.
             imbalanced = False
@@ -475,6 +483,13 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
         waited = "" if not wait else f"; the other ranks wait for it inside the all-to-all ({wait:.0%} of layer time)"
         evidence.append(f"At even load, rank {slow}'s expert compute takes {m['compute_max_mean']:.2f}x the "
                         f"mean: a slow device{waited}.")
+    elif (imbalanced is False and not balanced_by_speed and m["slow_rank_relative_speed"] is not None
+          and m["slow_rank_relative_speed"] < t.straggler_relative_speed):
+        verdict, cause = IMBALANCE_BOUND, "straggler"
+        waited = "" if not wait else f"; the others wait {wait:.0%} of layer time for it inside the all-to-all"
+        evidence.append(f"At even load, rank {m['slow_rank']} computes {m['slow_rank_relative_speed']:.2f}x the median "
+                        f"rank's pairs per second over all layers (threshold {t.straggler_relative_speed:.2f}): a slow "
+                        f"device{waited}.")
     elif imbalanced is False and wait is not None and wait >= t.straggler_wait_share:
         # Someone arrives late although load is even and no rank's expert compute stands out (or it
         # was not timed): the delay is before this layer's experts (attention, the host, the device).
