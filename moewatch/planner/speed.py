@@ -143,8 +143,9 @@ def balance_time(load: np.ndarray, starts: list[np.ndarray], rank_speed: np.ndar
     """[L, E] load, starting placements (each [L, P]), [W] speeds -> [L, P] placement: per layer,
     `refine_time` from every start, keeping the result with the lowest busiest time (then sum of
     squared times) among those that repeat experts only as padding and hold no expert in more than
-    `max_count` slots; the first result within 0.1 % of the fluid bound ends the layer. The first
-    start is the fallback when none qualifies."""
+    `max_count` slots. Starts go through `pair_swaps` first and the search runs from the best of
+    those first; the first result within 0.1 % of the fluid bound ends the layer. The first start is
+    the fallback when none qualifies."""
     load = np.asarray(load, dtype=np.float64)
     L, E = load.shape
     W = rank_speed.shape[0]
@@ -155,8 +156,12 @@ def balance_time(load: np.ndarray, starts: list[np.ndarray], rank_speed: np.ndar
         # Within this share of the fluid bound (every GPU finishing together) the search stops:
         # the last rounds there buy almost nothing on big layers.
         good_enough = load[layer].sum() / rank_speed.sum() * (1.0 + _GAP)
-        for start in starts:
-            row = pair_swaps(load[layer], only_padding_repeats(load[layer], start[layer], W), rank_speed)
+        # The pair rounds take milliseconds; the slot-by-slot search after them is the cost, so it
+        # runs from the most promising start first and the others are often skipped.
+        paired = [pair_swaps(load[layer], only_padding_repeats(load[layer], start[layer], W), rank_speed)
+                  for start in starts]
+        paired.sort(key=lambda row: _objective(_row_times(load[layer], row, rank_speed)))
+        for row in paired:
             row = refine_time(load[layer], row, rank_speed, cap, stop_max=good_enough)
             if not _row_allowed(row, E, W, cap):
                 continue
