@@ -208,11 +208,14 @@ def only_padding_repeats(load_row: np.ndarray, row: np.ndarray, num_gpus: int) -
     return row
 
 
-def pair_swaps(load_row: np.ndarray, row: np.ndarray, rank_speed: np.ndarray, max_rounds: int = 400) -> np.ndarray:
+def pair_swaps(load_row: np.ndarray, row: np.ndarray, rank_speed: np.ndarray, stop_max: float = 0.0,
+               max_rounds: int = 400) -> np.ndarray:
     """[E] load, [P] placement, [W] speeds -> [P] placement with the same replica counts: rounds that
     pair the i-th busiest GPU (by time) with the i-th idlest and make, in every pair at once, the
     swap of one slot each that lowers the pair's larger time most. Moves most of the way in few
-    rounds (one move per round off the busiest GPU alone takes hundreds on big layers). Each
+    rounds (one move per round off the busiest GPU alone takes hundreds on big layers). A GPU whose
+    time is at most `stop_max` is left alone (the movement planner's target: each swap costs two
+    rewritten slots). Each
     applied swap lowers its pair's larger time and touches no other GPU, so the sorted vector of
     times falls every round and the loop ends."""
     row = np.array(row, dtype=np.int64, copy=True)
@@ -241,6 +244,8 @@ def pair_swaps(load_row: np.ndarray, row: np.ndarray, rank_speed: np.ndarray, ma
         for k in np.argsort(-flat[np.arange(K), best], kind="stable"):
             if flat[k, best[k]] <= _TOL * max(times[heavy[k]], 1e-300):
                 break
+            if times[heavy[k]] <= stop_max:
+                continue
             a, b = divmod(int(best[k]), S)
             p, q = int(heavy[k]), int(light[k])
             e, x = int(bins[p, a]), int(bins[q, b])
@@ -442,7 +447,10 @@ def time_minimal_movement(load: np.ndarray, current: np.ndarray, plan: np.ndarra
         return out, {"how": how}
     renamed = align_within_speed_groups(plan[todo], current[todo], rank_speed)
     for i, layer in enumerate(todo):
-        repaired = refine_time(load[layer], current[layer], rank_speed, max_count, stop_max=float(target[layer]))
+        # Pair rounds first: on a plan far from balanced in time they reach the target in fewer
+        # rewritten slots (and a fraction of the time) than single moves alone.
+        paired = pair_swaps(load[layer], current[layer], rank_speed, stop_max=float(target[layer]))
+        repaired = refine_time(load[layer], paired, rank_speed, max_count, stop_max=float(target[layer]))
         reached = max_times(load[layer:layer + 1], repaired[None], rank_speed)[0] <= target[layer]
         fewer = (repaired != current[layer]).sum() <= (renamed[i] != current[layer]).sum()
         if reached and fewer and _row_allowed(repaired, E, W, max_count):
