@@ -5,7 +5,7 @@ DeepEP's low-latency `dispatch` and `combine` take optional statistics tensors: 
 rank, the SM clock cycles the receiving rank spent waiting for that source's data, cumulative over
 calls. The wrapper that passes them sits in the engine adapter (a GPU path); what it reads back (one
 [W] row per rank, stacked) is turned into seconds here: the Window's optional `wait_seconds`
-[L][W] (split across dispatch and combine by the adapter's sum of both), which the triage then uses
+[L][W] (the adapter adds the dispatch and the combine waits), which the triage then uses
 in place of its own transfer/wait estimate (docs/triage.md, step 1).
 """
 
