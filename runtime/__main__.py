@@ -81,7 +81,9 @@ def main(placement_file, no_probe, socket_path, as_json, collective_timeout, inj
     cfg = RuntimeConfig(placement=placement, probe=not no_probe, socket=socket_path,
                         collective_timeout_s=collective_timeout, inject_migration_failure=inject, **options)
     runtime_cli.check_config(cfg)
-    sys.exit(run(cfg, env, as_json))
+    from .launcher import with_start_placement
+    # Each rank derives the same map from the config: --hot-on-rank works under torchrun as well.
+    sys.exit(run(with_start_placement(cfg), env, as_json))
 
 
 def run(cfg: RuntimeConfig, env: dict, as_json: bool) -> int:

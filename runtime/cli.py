@@ -80,6 +80,12 @@ def execution_options(command):
 @click.option("--windows-out", "windows_out", type=click.Path(dir_okay=False), default=None,
               help="Append every Window as a JSON line to this file.")
 @click.option("--no-probe", "no_probe", is_flag=True, help="Run without the probe.")
+@click.option("--slow-rank", "slow_rank", type=int, default=None,
+              help="Emulate a slow device: this rank's expert compute takes --slow-factor times as long.")
+@click.option("--slow-factor", "slow_factor", type=float, default=1.0, show_default=True,
+              help="How many times as long the slow rank's expert compute takes (>= 1).")
+@click.option("--slowdown-file", "slowdown_file", type=click.Path(dir_okay=False), default=None,
+              help='JSON {"<rank>": factor}, re-read live when it changes; overrides --slow-rank.')
 @click.option("--model-name", "model_name", default="moewatch-ref", show_default=True)
 @click.option("--ep-group", "ep_group", default="ep0", show_default=True)
 @execution_options

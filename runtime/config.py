@@ -86,6 +86,11 @@ class RuntimeConfig:
     threads_per_rank: int | None = None
     collective_timeout_s: float = 120.0
     seed: int = 0
+    # --- emulated slow device (runtime/slowdown.py) -------------------------------------------------
+    slow_rank: int | None = None  # this rank's expert compute runs slow_factor times as long
+    slow_factor: float = 1.0
+    # JSON {"<rank>": factor}, re-read at step boundaries when its mtime changes; overrides the two above
+    slowdown_file: str | None = None
 
     # --- derived -----------------------------------------------------------------------------------
     @property
@@ -208,6 +213,13 @@ def validate(cfg: RuntimeConfig) -> RuntimeConfig:
             raise ConfigError("inject_migration_failure", "expected {'rank': r, 'epoch': e[, 'stage': ...]}")
         if spec.get("stage", "transfer") not in ("prepare", "transfer", "stall"):
             raise ConfigError("inject_migration_failure", "stage must be 'prepare', 'transfer' or 'stall'")
+    _finite(cfg, "slow_factor", lower=1.0)
+    if cfg.slow_rank is not None:
+        _non_negative_int(cfg, "slow_rank")
+        if cfg.slow_rank >= W:
+            raise ConfigError("slow_rank", f"rank {cfg.slow_rank} is not one of the {W} ranks")
+    if cfg.slowdown_file is not None and (not isinstance(cfg.slowdown_file, str) or not cfg.slowdown_file):
+        raise ConfigError("slowdown_file", "expected a file path")
     for item in cfg.scripted_plans:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], dict)):
             raise ConfigError("scripted_plans", "expected (step, plan dict) pairs")

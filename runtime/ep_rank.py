@@ -20,6 +20,7 @@ from .kernels import grouped_swiglu
 from .model import ModelSpec, combine_pairs, init_experts, init_router, rms_norm, route_layer
 from .placement import ReplicaTable, replica_table
 from .probe import Mark, Probe
+from .slowdown import run_slowed
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,6 +60,9 @@ class EPEngine:
         self.node_size = cfg.node_size
         self.probe = probe
         self.expert_compute = grouped_swiglu(cfg.kernel)
+        # Emulated slow device (runtime/slowdown.py): expert compute takes this many times as long.
+        # The step loop updates it at step boundaries; the outputs never change with it.
+        self.slow_factor = float(cfg.slow_factor) if cfg.slow_rank == rank else 1.0
         self.routers = [init_router(self.spec, layer).to(self.device, self.dtype) for layer in range(cfg.layers)]
         self.capacity = np.full(cfg.layers, float(cfg.capacity_factor))
         self.epoch = 0
@@ -123,7 +127,11 @@ class EPEngine:
                             self.group)
             if probe is not None:
                 probe.mark(layer, Mark.DISPATCH_END)
-            expert_out = self.expert_compute(sent.rows, sent.segment_counts, state.w13, state.w2)
+            if self.slow_factor > 1.0:
+                expert_out = run_slowed(self.expert_compute, self.slow_factor, sent.rows, sent.segment_counts,
+                                        state.w13, state.w2)
+            else:
+                expert_out = self.expert_compute(sent.rows, sent.segment_counts, state.w13, state.w2)
             if probe is not None:
                 probe.mark(layer, Mark.COMPUTE_END)
             pair_outputs = combine(expert_out, sent, num_tokens, top_k, self.group)

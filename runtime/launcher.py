@@ -39,6 +39,7 @@ from .ep_rank import EPEngine
 from .model import input_batch
 from .probe import RUNTIME_NAME, Probe, ProbeConfig
 from .sender import Sender
+from .slowdown import Slowdown
 from .workload import Workload
 
 log = logging.getLogger("moewatch.runtime.launcher")
@@ -232,9 +233,7 @@ class RuntimeResult:
 def launch(config: RuntimeConfig, on_interrupt: Callable | None = None) -> RuntimeResult:
     """Validate, spawn the EP group, run the workload, return the measurements."""
     validate(config)
-    if config.hot_on_rank is not None and config.placement is None:
-        from .workload import hot_start_placement
-        config = config.replace(placement=hot_start_placement(config).tolist())
+    config = with_start_placement(config)
     if config.workload == "trace":
         from .workload import TraceRouting
         TraceRouting(config.trace, config.layers, config.experts, config.top_k, config.ranks)  # fail early
@@ -245,6 +244,15 @@ def launch(config: RuntimeConfig, on_interrupt: Callable | None = None) -> Runti
     result = _merge(config, per_rank)
     result.cpu_binding = binding
     return result
+
+
+def with_start_placement(config: RuntimeConfig) -> RuntimeConfig:
+    """The config with `hot_on_rank`'s skewed start written out as its placement (every rank must
+    start from the same map, so it is worked out before the ranks start)."""
+    if config.hot_on_rank is not None and config.placement is None:
+        from .workload import hot_start_placement
+        return config.replace(placement=hot_start_placement(config).tolist())
+    return config
 
 
 def _merge(cfg: RuntimeConfig, per_rank: list[dict]) -> RuntimeResult:
@@ -348,6 +356,7 @@ def _run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int, l
                             layers_per_step=cfg.migrate_layers_per_step, inject_failure=cfg.inject_migration_failure)
     live.update(controller=controller, sender=sender)
     workload = Workload(cfg, rank)
+    slowdown = Slowdown(rank, cfg.slow_rank, cfg.slow_factor, cfg.slowdown_file)
     scripted = sorted((int(step), plan) for step, plan in cfg.scripted_plans) if rank == 0 else []
     if sender is not None:
         sender.start()
@@ -367,6 +376,7 @@ def _run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int, l
             break
         if step == cfg.warmup_steps:
             measured_from = time.perf_counter()
+        engine.slow_factor = slowdown.refresh()  # one stat per step, never per layer
         batch = workload.batch(step)
         x = input_batch(cfg.seed, step, rank, cfg.batch_tokens, cfg.hidden)
         t0 = time.perf_counter()
