@@ -177,6 +177,9 @@ class Recorder:
                         f"{','.join(map(str, entry['layers']))})")
         elif event == "plan_applied":
             self._print(f"  <- ack: epoch {entry['epoch']} in force (stall {entry['stall_seconds'] * 1e3:.0f} ms)")
+        elif event in ("rank_slow", "rank_recovered"):
+            self._print(f"  {event}: rank {entry['rank']} at {entry['relative_speed']:.2f}x the median rank's speed "
+                        f"({entry['pairs_per_second']:,.0f} pairs/s)")
         elif event in ("verified", "rollback", "rolled_back", "plan_failed", "plan_invalid"):
             self._print(f"  {event}: epoch {entry.get('epoch')} {entry.get('reason') or entry.get('error') or ''}")
 

@@ -34,10 +34,17 @@ def events(daemon, *names):
     return [r for r in read_audit(daemon.cfg.log.audit_log) if r["event"] in names]
 
 
+def write_slowdown(path, factors):
+    """The runtime's slowdown file ({"<rank>": factor}), replaced whole as runtime/slowdown.py's helper
+    does (that module imports torch; this test process stays without it)."""
+    temp = f"{path}.tmp"
+    with open(temp, "w", encoding="utf-8") as out:
+        json.dump({str(rank): float(factor) for rank, factor in factors.items()}, out)
+    os.replace(temp, path)
+
+
 @pytest.mark.slow
 def test_a_slow_rank_is_planned_for_then_the_split_returns_to_even(start_agent, short_tmp, helpers):
-    from moewatch.runtime.slowdown import write_slowdown
-
     slowdown = str(short_tmp / "slowdown.json")
     write_slowdown(slowdown, {1: 3.0})
     # Time per step over 8-step windows of two gloo ranks on shared cores swings by tens of percent:
