@@ -67,7 +67,7 @@ def test_a_slow_rank_recovers_with_hysteresis_and_never_flaps():
     """Slow, then hovering between the thresholds (stays slow), then alternating across both (never K in
     a row: no change), then fast for K windows (recovered), then hovering and alternating again (stays
     recovered): exactly one change each way over 35 windows."""
-    rank3 = ([50] * 3 + [90] * 5 + [80, 97] * 4 + [97] * 3 + [90] * 5 + [80, 100] * 4 + [88] * 3)
+    rank3 = ([50] * 3 + [90] * 5 + [97, 80] * 4 + [97] * 3 + [90] * 5 + [80, 100] * 4 + [88] * 3)
     state, changes = fold([[100, 100, 100, x] for x in rank3])
     assert transitions(changes) == [(2, "slow", 3), (18, "recovered", 3)]
     assert not state.slow.any() and rs.planning_speeds(state) is None
