@@ -52,10 +52,11 @@ class PlanInFlight:
     previous_map: np.ndarray  # [L, P] the whole state before, for a rollback
     previous_capacity: np.ndarray  # [L]
     rollback_of: int | None = None  # the epoch this plan undoes
-    # Whether the group's placement was made for rank speeds before this plan, and once it is applied
-    # (None: the plan changes no placement, the flag stays).
-    placed_for_speeds_before: bool = False
-    placed_for_speeds_after: bool | None = None
+    # The rank speeds the group's placement was made for before this plan (None: equal speeds), and
+    # whether this plan changes the placement and for which speeds.
+    speeds_before: np.ndarray | None = None
+    changes_placement: bool = False
+    planned_speeds: np.ndarray | None = None
     acked_at: float | None = None
 
     @property
@@ -73,7 +74,7 @@ class GroupControl:
     plans_applied: int = 0
     rollbacks: int = 0
     stall_per_slot: float | None = None  # from the Acks, a moving average
-    placed_for_speeds: bool = False  # the placement in force was made for rank speeds (a slow rank)
+    placed_speeds: np.ndarray | None = None  # [W] the speeds the placement in force was made for (None: equal)
     # Each rank's measured speed and whether it is persistently slow (rank_speed.py), over every epoch:
     # a device's speed does not depend on the placement.
     speeds: rank_speed.RankSpeedState = field(default_factory=rank_speed.RankSpeedState)
@@ -141,8 +142,9 @@ class Controller:
                 windows=group.recent(epoch=group.epoch_in_force), last_change=dict(ctl.last_change),
                 plan_times=tuple(ctl.plan_times), observed_stall_per_slot=ctl.stall_per_slot,
                 fit_windows=group.recent(),
-                rank_speed=rank_speed.planning_speeds(ctl.speeds), slow_ranks=ctl.speeds.slow_ranks,
-                placed_for_speeds=ctl.placed_for_speeds)
+                rank_speed=rank_speed.steady_speeds(rank_speed.planning_speeds(ctl.speeds), ctl.placed_speeds,
+                                                    self.params.rank_speed),
+                slow_ranks=ctl.speeds.slow_ranks, placed_for_speeds=ctl.placed_speeds is not None)
             proposal = policy.decide(view, self.params.policy, now)
             for d in proposal.decisions:
                 if d.result in ("skipped", "recommended"):
@@ -200,8 +202,9 @@ class Controller:
             self._record(group, "plan_invalid", epoch=epoch, reason=reason, error=str(exc))
             return None
         flight = PlanInFlight(plan, now, decisions, baseline, changed, previous_map, previous_cap, rollback_of,
-                              placed_for_speeds_before=ctl.placed_for_speeds,
-                              placed_for_speeds_after=_placed_for_speeds(decisions, baseline))
+                              speeds_before=ctl.placed_speeds,
+                              changes_placement=any(d.kind in policy.PLACEMENT_KINDS for d in decisions),
+                              planned_speeds=_planned_speeds(baseline))
         ctl.in_flight = flight
         ctl.plan_times.append(now)
         self._record(group, "plan_sent", epoch=epoch, reason=reason, layers=list(changed),
@@ -260,8 +263,8 @@ class Controller:
                 group.epoch_in_force = max(group.epoch_in_force, ack.epoch_in_force)
                 group.note_epoch(ack.epoch_in_force)
             flight.acked_at = now
-            if flight.placed_for_speeds_after is not None:
-                ctl.placed_for_speeds = flight.placed_for_speeds_after
+            if flight.changes_placement:
+                ctl.placed_speeds = flight.planned_speeds
             for layer in flight.changed_layers:
                 ctl.last_change[layer] = now
             ctl.plans_applied += 1
@@ -328,7 +331,7 @@ class Controller:
             ctl.in_flight = ctl.verifying = None
             ctl.last_change.clear()
             ctl.speeds = rank_speed.RankSpeedState()  # the new runtime may run on other devices
-            ctl.placed_for_speeds = False  # and starts from its own placement
+            ctl.placed_speeds = None  # and starts from its own placement
 
     def forget(self, key: tuple[str, str]) -> None:
         with self._lock:
@@ -368,7 +371,8 @@ class Controller:
                        np.array(latest.capacity_factor), now, rollback_of=flight.plan.epoch)
             if ctl.in_flight is not None and ctl.in_flight.rollback_of == flight.plan.epoch:
                 # The old placement comes back, and with it what it was made for.
-                ctl.in_flight.placed_for_speeds_after = flight.placed_for_speeds_before
+                ctl.in_flight.changes_placement = True
+                ctl.in_flight.planned_speeds = flight.speeds_before
 
     def _observe_rank_speed(self, group: GroupStore, ctl: GroupControl, window) -> None:
         """Each rank's speed from this window (in every mode: it is exported and audited); a rank that
@@ -413,9 +417,7 @@ def _num_nodes(hello) -> int:
     return max(1, hello.world_size // per_node) if hello.world_size % per_node == 0 else 1
 
 
-def _placed_for_speeds(decisions: list[policy.Decision], baseline: dict[int, verification.LayerBaseline]
-                       ) -> bool | None:
-    """Whether a plan's placement is made for rank speeds; None for a plan that changes no placement."""
-    if not any(d.kind in policy.PLACEMENT_KINDS for d in decisions):
-        return None
-    return any(b.rank_speed is not None for b in baseline.values())
+
+def _planned_speeds(baseline: dict[int, verification.LayerBaseline]) -> np.ndarray | None:
+    """The rank speeds a plan's placement was made for (None: equal speeds)."""
+    return next((b.rank_speed for b in baseline.values() if b.rank_speed is not None), None)

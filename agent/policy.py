@@ -38,7 +38,7 @@ from moewatch.planner import placement_math as pm
 from moewatch.vocabulary import DECISION_KINDS
 
 from .evidence import computed_load, mean_metric, measured, persistent_overflow, persistent_verdicts, steps_per_second
-from .rank_speed import time_balancedness
+from .rank_speed import rank_seconds, time_balancedness
 from .store import TriagedWindow
 from .verification import LayerBaseline, make_baseline
 
@@ -350,11 +350,20 @@ def placement_proposals(view: GroupView, params: PolicyParams, evidence: Sequenc
     per_node = view.num_gpus // view.num_nodes
     node_before = topology.expected_cross_node_ratio(load, current_map, view.num_gpus, per_node)
     node_after = topology.expected_cross_node_ratio(load, proposed, view.num_gpus, per_node)
+    # The slowest rank's work (pairs over speed) under either placement: for a re-placement driven by
+    # rank speed the gain is also read from the measured compute of the slowest rank, scaled by how its
+    # work shrinks; the fitted model keeps one rate for every rank and may not see a slow device.
+    work_before = rank_seconds(pm.gpu_load(load, current_map, view.num_gpus), speed).max(axis=1)
+    work_after = rank_seconds(pm.gpu_load(load, proposed, view.num_gpus), speed).max(axis=1)
     rows: dict[int, tuple[np.ndarray, str]] = {}
     decisions: list[Decision] = []
     for layer in layers:
         kind = "replicate" if not np.array_equal(counts_before[layer], counts_after[layer]) else "placement"
         gain = max(0.0, float(t_before[layer] - t_after[layer])) * rate * params.horizon_seconds
+        compute = measured(evidence, layer, "compute_seconds_per_step", 9)
+        if view.speed_replan and compute is not None and work_before[layer] > 0:
+            saved = compute * max(0.0, 1.0 - float(work_after[layer] / work_before[layer]))
+            gain = max(gain, saved * rate * params.horizon_seconds)
         stall = cost.migration_stall(model, np.array([moved[layer]]), params.cost.expert_bytes)["stall_seconds"]
         if view.num_nodes > 1:  # a slot filled from another node moves its weights over the slower link
             stall = topology.migration_seconds(current_map[layer], proposed[layer], view.num_gpus,
@@ -395,7 +404,7 @@ def placement_proposals(view: GroupView, params: PolicyParams, evidence: Sequenc
                     if kind == "replicate" and hot else "")
             where = f" (node-aware, {view.num_nodes} nodes)" if view.num_nodes > 1 else ""
             if speed is not None:
-                where += " for rank speeds " + "/".join(f"{x:.2f}" for x in speed)
+                where += (" " if where else "") + "for rank speeds " + "/".join(f"{x:.2f}" for x in speed) + " "
             measure = "balancedness by time" if speed is not None else "balancedness"
             reason = (f"{verdict} for {k} windows: {kind} {what}{where}-> {measure} {model_before[layer]:.3f} -> "
                       f"{model_after[layer]:.3f} (model); gain {gain:.2f} s over {params.horizon_seconds:g} s vs stall "

@@ -122,6 +122,18 @@ def planning_speeds(state: RankSpeedState) -> np.ndarray | None:
     return np.where(np.isfinite(relative) & (relative > 0), relative, 1.0)
 
 
+def steady_speeds(measured: np.ndarray | None, placed_for: np.ndarray | None, params: RankSpeedParams
+                  ) -> np.ndarray | None:
+    """[W] the speeds to plan for: the measured ones (planning_speeds), unless the placement in force was
+    made for speeds within the hysteresis gap (recover_above - slow_below) of them on every rank; then
+    those, so the planner re-finds the map in force and noise in the measurement moves no slot. None
+    (equal speeds) stays None."""
+    if measured is None or placed_for is None or len(placed_for) != len(measured):
+        return measured
+    gap = params.recover_above - params.slow_below
+    return placed_for if float(np.max(np.abs(np.asarray(measured) - np.asarray(placed_for)))) < gap else measured
+
+
 # --- placement figures under rank speeds (the policy's gate and verification use them) ---------------
 
 def rank_seconds(gpu_load: np.ndarray, rank_speed: np.ndarray | None) -> np.ndarray:
