@@ -248,6 +248,9 @@ class PolicySettings:
                                            "for the measured speeds", kind=float, lo=0.01, hi=1)
     slow_rank_recover_above: float = setting(0.95, "relative speed above which a slow rank counts as recovered "
                                                    "(plans for equal speeds again)", kind=float, lo=0.01, hi=1)
+    slow_rank_replan_change: float = setting(0.25, "while a placement made for rank speeds is in force, a new one is "
+                                                   "planned only when a rank's measured speed moved by more than "
+                                                   "this share of the speed it was made for", kind=float, lo=0, hi=10)
 
     def __post_init__(self) -> None:
         check_section(self, "policy")

@@ -38,6 +38,9 @@ class RankSpeedParams:
     min_pairs: int = 1000  # a window measures a rank's speed only if it computed at least this many pairs
     slow_below: float = 0.85  # relative speed under which a rank counts towards slow
     recover_above: float = 0.95  # relative speed above which a slow rank counts towards recovered
+    # While a placement made for speeds is in force, a new one is made only when a rank's measured speed
+    # moved by more than this share of the speed the placement was made for.
+    replan_change: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -125,13 +128,15 @@ def planning_speeds(state: RankSpeedState) -> np.ndarray | None:
 def steady_speeds(measured: np.ndarray | None, placed_for: np.ndarray | None, params: RankSpeedParams
                   ) -> np.ndarray | None:
     """[W] the speeds to plan for: the measured ones (planning_speeds), unless the placement in force was
-    made for speeds within the hysteresis gap (recover_above - slow_below) of them on every rank; then
-    those, so the planner re-finds the map in force and noise in the measurement moves no slot. None
-    (equal speeds) stays None."""
+    made for speeds within `replan_change` (a share) of them on every rank; then those, so the planner
+    re-finds the map in force and noise moves no slot. Pairs per second are not quite independent of
+    the pairs: a rank given fewer pairs pays its fixed costs per expert over fewer of them and reads a
+    little slower, which without this margin would feed one plan into the next. None (equal speeds)
+    stays None."""
     if measured is None or placed_for is None or len(placed_for) != len(measured):
         return measured
-    gap = params.recover_above - params.slow_below
-    return placed_for if float(np.max(np.abs(np.asarray(measured) - np.asarray(placed_for)))) < gap else measured
+    change = np.abs(np.asarray(measured, dtype=np.float64) / np.asarray(placed_for, dtype=np.float64) - 1.0)
+    return placed_for if float(np.max(change)) <= params.replan_change else measured
 
 
 # --- placement figures under rank speeds (the policy's gate and verification use them) ---------------

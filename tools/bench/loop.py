@@ -42,6 +42,10 @@ from moewatch.tools.demo import (DEMO_RUNTIME, DEMO_RUNTIME_GPU, DemoError, Reco
 
 FIXED_MAX_MEAN = 1.15  # a window whose every layer is at or under this max/mean rank load is fixed
 FIXED_TIME_BALANCEDNESS = 0.85  # --slow-rank: a window whose every layer's balancedness by time is at least this
+# --slow-rank on CPU ranks: experts four times as wide as the demo's, so expert compute is most of the
+# step (with FFN 512 the two all-to-alls held a quarter of it, which no placement shrinks), half the
+# tokens and 8-step windows, so a window still takes seconds, not tens of them.
+SLOW_RANK_SHAPE = {"ffn": 2048, "batch-tokens": 512, "window-steps": 8}
 
 
 def load_fixed(t: TriagedWindow) -> bool:
@@ -197,10 +201,10 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @click.command("loop", cls=OneLineCommand)
-@click.option("--seconds", type=click.FloatRange(2, 3600), default=30.0, show_default=True,
-              help="How long the act session's runtime serves (startup adds about 5 s).")
-@click.option("--control-seconds", type=click.FloatRange(2, 3600), default=20.0, show_default=True,
-              help="How long the observe-mode control's runtime serves.")
+@click.option("--seconds", type=click.FloatRange(2, 3600), default=None,
+              help="How long the act session's runtime serves (startup adds about 5 s) [30; --slow-rank 45].")
+@click.option("--control-seconds", type=click.FloatRange(2, 3600), default=None,
+              help="How long the observe-mode control's runtime serves [20; --slow-rank 30].")
 @click.option("--ranks", type=click.IntRange(2, 64), default=2, show_default=True,
               help="EP ranks: at most the cores (gloo) so each rank has its own, or one per GPU (nccl).")
 @click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True,
@@ -237,7 +241,11 @@ def loop(seconds, control_seconds, ranks, backend, batch_tokens, hidden, ffn, wi
                    "rank no longer sets the step, so the gain will not show", err=True)
     base = DEMO_RUNTIME_GPU if backend == "nccl" else DEMO_RUNTIME
     given = {"batch-tokens": batch_tokens, "hidden": hidden, "ffn": ffn, "window-steps": window_steps}
+    if slow_rank is not None and backend == "gloo":
+        base = {**base, **SLOW_RANK_SHAPE}
     flags = {**base, **{k: v for k, v in given.items() if v is not None}, "model-name": "bench-loop"}
+    seconds = seconds or (45.0 if slow_rank is not None else 30.0)
+    control_seconds = control_seconds or (30.0 if slow_rank is not None else 20.0)
     optimum = None
     if slow_rank is not None:
         if slow_rank >= ranks:
