@@ -76,14 +76,18 @@ class _IntList(click.ParamType):
                    "once or twice, which overfit small traces).")
 @click.option("--epoch", type=click.IntRange(min=0), default=None,
               help="Epoch of the new plan (default: the current plan's + 1, else 1).")
+@click.option("--rank-speed", "rank_speed_arg", default=None, metavar="S,S,...|FILE",
+              help="Speed of each GPU (any scale, e.g. pairs per second) as a comma list or a JSON file "
+                   "(a list, or {\"rank_speed\": [...]}): balance each rank's time, load / speed.")
 def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path: str | None,
          current_path: str | None, fmt: str, out_path: str, as_json: bool, balancedness_floor: float,
          tolerance: float, expert_bytes: float | None, capacity_target: float | None, top_k: int,
-         hidden_bytes: int | None, discount: float, epoch: int | None) -> None:
+         hidden_bytes: int | None, discount: float, epoch: int | None, rank_speed_arg: str | None) -> None:
     """Solve an expert placement from a load file and write the plan."""
     out = Path(out_path)
     if not out.parent.is_dir():
         fail_input(f"--out: folder {str(out.parent)!r} does not exist")
+    rank_speed = None if rank_speed_arg is None else _read_rank_speed(rank_speed_arg, gpus)
     loads = read_load(load_path)
     L, E = loads.load.shape
     current = read_plan(current_path) if current_path else None
@@ -104,7 +108,7 @@ def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path
     result = solve_placement(loads.load, gpus, slots, nodes,
                              current=None if current is None else current.physical_to_logical_map,
                              affinity=transitions, balancedness_floor=balancedness_floor,
-                             expert_bytes=expert_bytes, tolerance=tolerance)
+                             expert_bytes=expert_bytes, tolerance=tolerance, rank_speed=rank_speed)
     summary = result.summary()
     if capacity is not None:
         factor = capacity.capacity_factor
@@ -128,12 +132,47 @@ def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path
     click.echo(_plan_text(summary))
 
 
+def _read_rank_speed(value: str, num_gpus: int) -> list[float]:
+    """--rank-speed: "1,1,0.5", or a JSON file holding a list or {"rank_speed": [...]}, checked
+    against --gpus (one line naming the flag otherwise)."""
+    from .placement_math import PlacementShapeError, normalised_rank_speed
+
+    path = Path(value)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            fail_input(f"--rank-speed: cannot read {value} ({exc.strerror or exc})")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            fail_input(f"--rank-speed: {value} is not valid JSON ({exc})")
+        if isinstance(data, dict):
+            if "rank_speed" not in data:
+                fail_input(f"--rank-speed: {value} has no \"rank_speed\" key")
+            data = data["rank_speed"]
+        if not isinstance(data, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 for v in data):
+            fail_input(f"--rank-speed: {value} must hold a list of numbers")
+        speeds = [float(v) for v in data]
+    else:
+        try:
+            speeds = [float(v) for v in value.split(",")]
+        except ValueError:
+            fail_input(f"--rank-speed: expected comma-separated numbers or a JSON file, got {value!r}")
+    try:
+        normalised_rank_speed(speeds, num_gpus)
+    except PlacementShapeError as exc:
+        fail_input(f"--rank-speed: {str(exc).removeprefix('rank_speed: ')} (--gpus {num_gpus})")
+    return speeds
+
+
 def _plan_text(s: dict[str, Any]) -> str:
     lines = [
         f"{s['method']} plan, epoch {s['epoch']}: {s['num_layers']} layers, {s['num_slots']} slots on "
         f"{s['num_gpus']} GPUs in {s['num_nodes']} node(s), solved in {s['solve_seconds'] * 1e3:.1f} ms",
         f"balancedness {s['balancedness_before']:.4f} -> {s['balancedness_after']:.4f} "
         f"(worst layer {s['balancedness_after_min']:.4f})",
+        f"time balancedness {s['time_balancedness_before']:.4f} -> {s['time_balancedness_after']:.4f}"
+        + (" (load / rank speed)" if "rank_speed" in s else " (equal rank speeds)"),
         f"experts moved {s['experts_moved']} in {s['layers_changed']} layers"
         + (f" ({s['bytes_moved'] / 2**30:.2f} GiB)" if s.get("bytes_moved") is not None else ""),
         f"cross-GPU share {s['cross_gpu_share_before']:.3f} -> {s['cross_gpu_share_after']:.3f}, "

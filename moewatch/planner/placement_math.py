@@ -62,6 +62,47 @@ def placement_balancedness(load: np.ndarray, pmap: np.ndarray, num_gpus: int) ->
     return balancedness_of_gpu_load(gpu_load(load, pmap, num_gpus))
 
 
+def normalised_rank_speed(rank_speed: object, num_gpus: int) -> np.ndarray:
+    """[W] positive finite speeds, any scale (pairs per second, relative) -> [W] float64 with mean 1;
+    exactly 1.0 each when all are equal, so equal speeds can be recognised without rounding.
+    Raises PlacementShapeError("rank_speed", ...) for a wrong length or a bad value."""
+    try:
+        arr = np.asarray(rank_speed, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise PlacementShapeError("rank_speed", "expected a list of numbers, one per GPU") from None
+    if arr.ndim != 1 or arr.shape[0] != num_gpus:
+        raise PlacementShapeError("rank_speed", f"expected {num_gpus} speeds (one per GPU), got shape {list(arr.shape)}")
+    if not np.all(np.isfinite(arr)):
+        raise PlacementShapeError("rank_speed", "speeds must be finite")
+    if np.any(arr <= 0):
+        raise PlacementShapeError("rank_speed", "speeds must be > 0")
+    if np.all(arr == arr[0]):
+        return np.ones(num_gpus)
+    return arr / arr.mean()
+
+
+def time_balancedness_of_gpu_load(per_gpu: np.ndarray, rank_speed: np.ndarray) -> np.ndarray:
+    """[L, W] load per GPU, [W] speeds -> [L] mean / max of the GPUs' predicted times (load / speed);
+    1.0 where a layer is idle or every GPU finishes together."""
+    return balancedness_of_gpu_load(per_gpu / rank_speed[None, :])
+
+
+def placement_time_balancedness(load: np.ndarray, pmap: np.ndarray, rank_speed: np.ndarray) -> np.ndarray:
+    """[L, E] load, [L, P] placement, [W] speeds -> [L] time balancedness (W = len(rank_speed))."""
+    return time_balancedness_of_gpu_load(gpu_load(load, pmap, rank_speed.shape[0]), rank_speed)
+
+
+def repeats_only_as_padding(pmap: np.ndarray, num_experts: int, num_gpus: int) -> np.ndarray:
+    """[L, P] placement -> [L] True where every expert that a GPU holds twice or more is held by
+    no other GPU. The runtime sends a pair to a replica on its own rank first, so a second local
+    copy of a shared expert would not take the share the even-split model gives it; copies that
+    all sit on one GPU (padding) take that GPU's whole load in both views."""
+    held = holders(pmap, num_experts, num_gpus)  # [L, E, W]
+    repeated = held.max(axis=2) > 1
+    shared = (held > 0).sum(axis=2) > 1
+    return ~(repeated & shared).any(axis=1)
+
+
 def holders(pmap: np.ndarray, num_experts: int, num_groups: int) -> np.ndarray:
     """[L, P] placement -> [L, E, num_groups] replicas of each expert per group of consecutive slots
     (num_groups = W gives per GPU, = N per node)."""

@@ -8,12 +8,15 @@
   `balancedness_floor` (affinity.py); with `current` too, GPUs are renamed (all layers alike) to
   move as little as that allows;
 - with `max_replicas`: a layer where the solve gives an expert more slots than that is re-packed
-  from capped replica counts (and aligned to `current` when given).
+  from capped replica counts (and aligned to `current` when given);
+- with unequal `rank_speed`: each rank's predicted time (load / speed) is balanced instead of its
+  load (speed.py), from the plan above; equal speeds take the path above unchanged.
 Decisions only: nothing here touches a runtime.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,10 +26,13 @@ import numpy as np
 from ..plan import PlanError, check_placement
 from .affinity import affinity_placement
 from .placement_math import (PlacementShapeError, check_sizes, contiguous_placement, dispatch_cross_shares,
-                             experts_moved, placement_balancedness, replica_counts_of, transition_cross_shares)
+                             experts_moved, normalised_rank_speed, placement_balancedness,
+                             placement_time_balancedness, replica_counts_of, transition_cross_shares)
 from .movement import align_to_current, minimal_movement
 from .packing import pack
 from .replicate import capped_replica_counts, replica_counts
+from .speed import (align_within_speed_groups, balance_time, replica_counts_fit, small_count_vectors,
+                    time_lpt_pack, time_minimal_movement)
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,10 @@ class PlacementResult:
     transition_cross_node_after: float | None
     solve_seconds: float
     layer_methods: tuple[str, ...] | None = None  # movement: "kept", "repaired" or "renamed"
+    # [L] mean / max of per-rank load / speed; equal to balancedness without (or with equal) speeds
+    time_balancedness_before: np.ndarray | None = None
+    time_balancedness_after: np.ndarray | None = None
+    rank_speed: np.ndarray | None = None  # [W] speeds normalised to mean 1, as given to the solve
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready figures: layer means, plus the worst layer's balancedness."""
@@ -65,6 +75,8 @@ class PlacementResult:
             "balancedness_before": float(self.balancedness_before.mean()),
             "balancedness_after": float(self.balancedness_after.mean()),
             "balancedness_after_min": float(self.balancedness_after.min()),
+            "time_balancedness_before": float(_or(self.time_balancedness_before, self.balancedness_before).mean()),
+            "time_balancedness_after": float(_or(self.time_balancedness_after, self.balancedness_after).mean()),
             "experts_moved": int(self.experts_moved.sum()),
             "bytes_moved": self.bytes_moved,
             "layers_changed": int((self.experts_moved > 0).sum()),
@@ -80,6 +92,8 @@ class PlacementResult:
                 transition_cross_node_share_before=self.transition_cross_node_before,
                 transition_cross_node_share_after=self.transition_cross_node_after,
             )
+        if self.rank_speed is not None:
+            out["rank_speed"] = [float(v) for v in self.rank_speed]
         if self.layer_methods is not None:
             out["layer_methods"] = {name: self.layer_methods.count(name) for name in ("kept", "repaired", "renamed")}
         return out
@@ -88,14 +102,16 @@ class PlacementResult:
 def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_nodes: int = 1,
                     current: Any = None, affinity: Any = None, balancedness_floor: float = 0.95,
                     expert_bytes: float | None = None, tolerance: float = 0.005,
-                    max_replicas: int | None = None) -> PlacementResult:
+                    max_replicas: int | None = None, rank_speed: Any = None) -> PlacementResult:
     """[L, E] pairs per expert -> PlacementResult with physical_to_logical_map [L, P].
 
     num_slots defaults to the current plan's P, else E rounded up to a multiple of num_gpus (no
     extra memory). current: [L, P] placement in force. affinity: [L-1, E, E] transition counts
     (affinity.transitions_from_trace turns a [T, L, k] trace into them). max_replicas: most slots one
     expert may hold (None: no cap; the cap rises to ceil(P / E) where the slots need it). Raises
-    PlacementShapeError naming the argument at fault.
+    PlacementShapeError naming the argument at fault. rank_speed: [W] positive speeds (any scale,
+    e.g. pairs per second): balance each rank's time, load / speed, instead of its load; None or
+    all equal gives exactly the speed-oblivious plan.
     """
     load_arr = _load_matrix(load)
     L, E = load_arr.shape
@@ -114,11 +130,18 @@ def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_
         raise PlacementShapeError("tolerance", f"must be in [0, 1), got {tolerance}")
     if max_replicas is not None and max_replicas < 1:
         raise PlacementShapeError("max_replicas", f"must be at least 1, got {max_replicas}")
+    speed = None if rank_speed is None else normalised_rank_speed(rank_speed, W)
+    uneven = speed is not None and not np.all(speed == 1.0)
+    if uneven and transitions is not None:
+        raise PlacementShapeError("rank_speed", "unequal speeds cannot be combined with affinity yet")
 
     started = time.perf_counter()
     scratch = no_worse_than_least_replication(load_arr, pack(load_arr, replica_counts(load_arr, P), W, N), W, N)
     layer_methods = None
-    if transitions is not None:
+    if uneven:
+        method, pmap, layer_methods = _solve_for_speeds(load_arr, scratch, current_arr, speed, W, N, tolerance,
+                                                        max_replicas)
+    elif transitions is not None:
         method = "affinity"
         pmap = affinity_placement(load_arr, transitions, scratch, W, N, balancedness_floor)
         if current_arr is not None:
@@ -130,7 +153,7 @@ def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_
     else:
         method = "balanced"
         pmap = scratch
-    if max_replicas is not None:
+    if max_replicas is not None and not uneven:
         pmap = _cap_replicas(load_arr, pmap, current_arr, W, N, max_replicas)
     solve_seconds = time.perf_counter() - started
 
@@ -142,13 +165,20 @@ def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_
     if transitions is not None:
         trans_before = transition_cross_shares(transitions, before, W, N)
         trans_after = transition_cross_shares(transitions, pmap, W, N)
+    balancedness_before = placement_balancedness(load_arr, before, W)
+    balancedness_after = placement_balancedness(load_arr, pmap, W)
+    if uneven:
+        time_before = placement_time_balancedness(load_arr, before, speed)
+        time_after = placement_time_balancedness(load_arr, pmap, speed)
+    else:  # equal speeds: every time is the load over one constant, the same ratio
+        time_before, time_after = balancedness_before.copy(), balancedness_after.copy()
     return PlacementResult(
         physical_to_logical_map=pmap,
         method=method,
         num_gpus=W,
         num_nodes=N,
-        balancedness_before=placement_balancedness(load_arr, before, W),
-        balancedness_after=placement_balancedness(load_arr, pmap, W),
+        balancedness_before=balancedness_before,
+        balancedness_after=balancedness_after,
         experts_moved=moved,
         bytes_moved=None if expert_bytes is None else float(moved.sum()) * float(expert_bytes),
         cross_gpu_share_before=gpu_before,
@@ -161,7 +191,49 @@ def solve_placement(load: Any, num_gpus: int, num_slots: int | None = None, num_
         transition_cross_node_after=trans_after[1],
         solve_seconds=solve_seconds,
         layer_methods=layer_methods,
+        time_balancedness_before=time_before,
+        time_balancedness_after=time_after,
+        rank_speed=speed,
     )
+
+
+def _or(value: np.ndarray | None, default: np.ndarray) -> np.ndarray:
+    return default if value is None else value
+
+
+def _solve_for_speeds(load: np.ndarray, scratch: np.ndarray, current: np.ndarray | None, speed: np.ndarray,
+                      num_gpus: int, num_nodes: int, tolerance: float,
+                      max_replicas: int | None) -> tuple[str, np.ndarray, tuple[str, ...] | None]:
+    """The speed-aware plan: the local search of speed.py from the speed-oblivious plan and from a
+    heaviest-to-fastest packing, keeping the better per layer; with `current`, the fewest moves
+    whose busiest time is within `tolerance` of it. Returns (method, [L, P] plan, layer methods)."""
+    L, E = load.shape
+    P = scratch.shape[1]
+    cap = None if max_replicas is None else max(max_replicas, math.ceil(P / E))
+    if max_replicas is not None:
+        scratch = _cap_replicas(load, scratch, None, num_gpus, num_nodes, max_replicas)
+    # Heaviest-to-fastest seeds with all slots as replicas, and with fewer replicas and the rest as
+    # padding: a slow rank can only shed load by holding fewer distinct experts, and a search from
+    # a full plan must pass through plateaus to get there.
+    seeds = []
+    for replicas in sorted({P, E, (P + E) // 2}, reverse=True):
+        counts = replica_counts(load, replicas) if cap is None else capped_replica_counts(load, replicas, max_replicas)
+        seeds.append(time_lpt_pack(load, counts, speed, P))
+    # Small layers: a seed for every replica-count vector (a handful; see small_count_vectors).
+    vectors = small_count_vectors(E, P, num_gpus) if E * P <= 64 else None
+    for vector in [] if vectors is None else vectors:
+        if cap is None or vector.max() <= cap:
+            seeds.append(time_lpt_pack(load, np.broadcast_to(vector, (L, E)), speed, P))
+    timed = balance_time(load, [scratch, *seeds], speed, cap)
+    if current is None:
+        return "balanced", timed, None
+    pmap, facts = time_minimal_movement(load, current, timed, speed, tolerance, cap)
+    over = ~replica_counts_fit(pmap, E, cap)  # a kept layer in force may give an expert too many slots
+    if over.any():
+        pmap[over] = align_within_speed_groups(timed[over], current[over], speed)
+        for layer in np.flatnonzero(over):
+            facts["how"][layer] = "renamed"
+    return "movement", pmap, tuple(facts["how"])
 
 
 def _cap_replicas(load: np.ndarray, pmap: np.ndarray, current: np.ndarray | None, num_gpus: int, num_nodes: int,
