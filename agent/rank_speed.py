@@ -129,12 +129,15 @@ def steady_speeds(measured: np.ndarray | None, placed_for: np.ndarray | None, pa
                   ) -> np.ndarray | None:
     """[W] the speeds to plan for: the measured ones (planning_speeds), unless the placement in force was
     made for speeds within `replan_change` (a share) of them on every rank; then those, so the planner
-    re-finds the map in force and noise moves no slot. Pairs per second are not quite independent of
+    re-finds the map in force and noise moves no slot; likewise while every rank measures at least
+    slow_below (a slow rank on its way back, not yet recovered: its recovery will re-plan). Pairs per second are not quite independent of
     the pairs: a rank given fewer pairs pays its fixed costs per expert over fewer of them and reads a
     little slower, which without this margin would feed one plan into the next. None (equal speeds)
     stays None."""
     if measured is None or placed_for is None or len(placed_for) != len(measured):
         return measured
+    if float(np.min(measured)) >= params.slow_below:
+        return placed_for  # a slow rank recovering, inside the hysteresis band: no plan until it has
     change = np.abs(np.asarray(measured, dtype=np.float64) / np.asarray(placed_for, dtype=np.float64) - 1.0)
     return placed_for if float(np.max(change)) <= params.replan_change else measured
 

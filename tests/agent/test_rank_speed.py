@@ -300,5 +300,6 @@ def test_speeds_close_to_those_the_placement_was_made_for_keep_it():
     placed = np.array([1.33, 0.67])
     assert rs.steady_speeds(np.array([1.45, 0.55]), placed, PARAMS) is placed
     assert rs.steady_speeds(np.array([1.6, 0.4]), placed, PARAMS).tolist() == [1.6, 0.4]
+    assert rs.steady_speeds(np.array([1.03, 0.97]), placed, PARAMS) is placed  # recovering: wait for it
     assert rs.steady_speeds(None, placed, PARAMS) is None  # no rank slow: equal speeds
     assert rs.steady_speeds(np.array([1.2, 0.8]), None, PARAMS).tolist() == [1.2, 0.8]
