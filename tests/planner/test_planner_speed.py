@@ -12,10 +12,10 @@ from click.testing import CliRunner
 
 from moewatch.cli import main
 from moewatch.planner import PlacementShapeError, solve_placement
+from moewatch.planner.affinity import transitions_from_trace
 from moewatch.planner.placement_math import (gpu_load, normalised_rank_speed, placement_time_balancedness,
                                              repeats_only_as_padding)
 from moewatch.tools.synthetic import affinity_trace, synthetic_load
-from moewatch.planner.affinity import transitions_from_trace
 
 
 def _max_time(load_row, row, speed):
@@ -200,6 +200,20 @@ def test_unequal_speeds_with_affinity_are_refused():
     trace = affinity_trace(100, 2, 8, 2, 2, seed=0)
     with pytest.raises(PlacementShapeError, match="rank_speed"):
         solve_placement(np.ones((2, 8)), 2, affinity=transitions_from_trace(trace, 8), rank_speed=[1, 2])
+
+
+def test_repeats_count_only_as_padding():
+    # [L, P] placements on 2 GPUs of 2 slots: pads of an expert alone on its GPU are fine, a second
+    # local copy of an expert another GPU also holds is not
+    pmap = np.array([[0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 0, 1], [0, 1, 1, 1]])
+    assert repeats_only_as_padding(pmap, 2, 2).tolist() == [True, True, False, False]
+
+
+def test_time_balancedness_is_mean_over_max_of_load_over_speed():
+    # loads 6 and 2 at speeds 2 and 1 (normalised 4/3, 2/3): times 4.5 and 3
+    load = np.array([[6.0, 2.0]])
+    speed = normalised_rank_speed([2.0, 1.0], 2)
+    assert placement_time_balancedness(load, np.array([[0, 1]]), speed)[0] == pytest.approx(3.75 / 4.5)
 
 
 def test_normalised_rank_speed_keeps_ratios():
