@@ -61,3 +61,14 @@ def test_hot_on_rank_is_validated(changes):
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     assert info.value.field in ("hot_on_rank", "hot_experts")
+
+
+def test_the_skewed_start_is_written_out_before_the_ranks_start():
+    """launch() and the torchrun entry both start every rank from the same hot-on-rank map."""
+    from moewatch.runtime.launcher import with_start_placement
+
+    cfg = RuntimeConfig(ranks=2, layers=4, experts=8, slots=12, hot_experts=2, hot_share=0.7, zipf=0.0, hot_on_rank=1)
+    assert with_start_placement(cfg).placement == hot_start_placement(cfg).tolist()
+    given = cfg.replace(placement=np.tile(np.arange(12) % 8, (4, 1)).tolist())
+    assert with_start_placement(given).placement == given.placement
+    assert with_start_placement(RuntimeConfig()).placement is None
