@@ -1,6 +1,6 @@
 """Every metric the agent exports, in exposition order: the one list of the metric families.
 
-Each family is declared by the concern that writes it (agent/metrics/: connections, actions,
+Each family is declared by the concern that writes it (agent/metrics/: connections, actions, rank_speed,
 groups, windows, jobs, identity) with its name, type, labels, unit and meaning, and checked there
 against the naming conventions when it is declared. This module lists them all: the Prometheus
 exposition and the OpenTelemetry instruments are built from this list; the alert rules
@@ -21,6 +21,7 @@ import pkgutil
 from . import metrics as _metrics
 from .metrics import actions, connections, groups, identity, jobs
 from .metrics import engine_rebalance as er
+from .metrics import rank_speed as rs
 from .metrics import slo
 from .metrics import windows as w
 from .metrics.family import GROUP, LAYER, Counter, Family, Gauge, Histogram  # noqa: F401  (re-exported)
@@ -47,7 +48,7 @@ METRICS: tuple[Family, ...] = (
     w.LAYER_REROUTED_PAIRS_TOTAL, w.LAYER_CAPACITY_FACTOR, w.LAYER_EFFECTIVE_CAPACITY_FACTOR, w.LAYER_BALANCEDNESS,
     w.LAYER_A2A_EFFICIENCY, w.LAYER_VERDICT, w.LAYER_EVIDENCE_MISSING, w.LAYER_EXPERT_LOAD_SHARE,
     # --- per rank
-    w.RANK_LOAD_PAIRS, w.RANK_COMPUTE,
+    w.RANK_LOAD_PAIRS, w.RANK_COMPUTE, rs.RANK_RELATIVE_SPEED, rs.RANK_SLOW,
     # --- per expert, only when enabled, capped
     w.EXPERT_PAIRS_TOTAL, w.EXPERT_SERIES_DROPPED,
     # --- per EP group

@@ -238,9 +238,26 @@ class PolicySettings:
                                          hi=100)
     allow_lossy_capacity: bool = setting(False, "allow capping hot experts (drops pairs) to level ranks",
                                          kind=bool)
+    slow_rank_windows: int = setting(3, "windows a rank's relative speed (its pairs per compute second over the "
+                                        "median rank's) must stay under slow_rank_below to count as slow, or above "
+                                        "slow_rank_recover_above to recover; also the span of its median",
+                                     kind=int, lo=1, hi=10_000)
+    slow_rank_min_pairs: int = setting(1000, "a window measures a rank's speed only when the rank computed at least "
+                                             "this many pairs in it (all layers)", kind=int, lo=1, hi=1 << 40)
+    slow_rank_below: float = setting(0.85, "relative speed under which a rank counts as slow; plans are then made "
+                                           "for the measured speeds", kind=float, lo=0.01, hi=1)
+    slow_rank_recover_above: float = setting(0.95, "relative speed above which a slow rank counts as recovered "
+                                                   "(plans for equal speeds again)", kind=float, lo=0.01, hi=1)
+    slow_rank_replan_change: float = setting(0.25, "while a placement made for rank speeds is in force, a new one is "
+                                                   "planned only when a rank's measured speed moved by more than "
+                                                   "this share of the speed it was made for", kind=float, lo=0, hi=10)
 
     def __post_init__(self) -> None:
         check_section(self, "policy")
+        if self.slow_rank_below >= self.slow_rank_recover_above:
+            # Without a gap between the two a rank near the threshold would flap between plans.
+            raise ConfigError(f"policy.slow_rank_below: {self.slow_rank_below:g} must be under "
+                              f"policy.slow_rank_recover_above {self.slow_rank_recover_above:g}")
         if self.capacity_factor_min > self.capacity_factor_max:
             raise ConfigError(f"policy.capacity_factor_min: {self.capacity_factor_min:g} is above "
                               f"policy.capacity_factor_max {self.capacity_factor_max:g}")

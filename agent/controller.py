@@ -23,16 +23,18 @@ from typing import Any, Callable
 
 import numpy as np
 
+from moewatch import telemetry as tm
 from moewatch.integrations import registry
 from moewatch.integrations.base import Actuation, Actuator
 from moewatch.plan import Plan, PlanError
 from moewatch.vocabulary import ROLLBACK_APPLIED
 from moewatch.wire import Ack
 
-from . import policy, verification
+from . import policy, rank_speed, verification
 from .actuation import ActuationWorker
 from .audit import AuditLog
 from .metrics.actions import ACTIONS_TOTAL, ROLLBACKS_TOTAL
+from .metrics.rank_speed import record_rank_speed
 from .metrics.state import MetricsState
 from .params import from_config
 from .store import GroupStore, Store, TriagedWindow
@@ -50,6 +52,11 @@ class PlanInFlight:
     previous_map: np.ndarray  # [L, P] the whole state before, for a rollback
     previous_capacity: np.ndarray  # [L]
     rollback_of: int | None = None  # the epoch this plan undoes
+    # The rank speeds the group's placement was made for before this plan (None: equal speeds), and
+    # whether this plan changes the placement and for which speeds.
+    speeds_before: np.ndarray | None = None
+    changes_placement: bool = False
+    planned_speeds: np.ndarray | None = None
     acked_at: float | None = None
 
     @property
@@ -67,6 +74,10 @@ class GroupControl:
     plans_applied: int = 0
     rollbacks: int = 0
     stall_per_slot: float | None = None  # from the Acks, a moving average
+    placed_speeds: np.ndarray | None = None  # [W] the speeds the placement in force was made for (None: equal)
+    # Each rank's measured speed and whether it is persistently slow (rank_speed.py), over every epoch:
+    # a device's speed does not depend on the placement.
+    speeds: rank_speed.RankSpeedState = field(default_factory=rank_speed.RankSpeedState)
 
 
 class Controller:
@@ -130,7 +141,10 @@ class Controller:
                 actuator=applying,
                 windows=group.recent(epoch=group.epoch_in_force), last_change=dict(ctl.last_change),
                 plan_times=tuple(ctl.plan_times), observed_stall_per_slot=ctl.stall_per_slot,
-                fit_windows=group.recent())
+                fit_windows=group.recent(),
+                rank_speed=rank_speed.steady_speeds(rank_speed.planning_speeds(ctl.speeds), ctl.placed_speeds,
+                                                    self.params.rank_speed),
+                slow_ranks=ctl.speeds.slow_ranks, placed_for_speeds=ctl.placed_speeds is not None)
             proposal = policy.decide(view, self.params.policy, now)
             for d in proposal.decisions:
                 if d.result in ("skipped", "recommended"):
@@ -187,7 +201,10 @@ class Controller:
                 self._count(group, d.kind, "failed")
             self._record(group, "plan_invalid", epoch=epoch, reason=reason, error=str(exc))
             return None
-        flight = PlanInFlight(plan, now, decisions, baseline, changed, previous_map, previous_cap, rollback_of)
+        flight = PlanInFlight(plan, now, decisions, baseline, changed, previous_map, previous_cap, rollback_of,
+                              speeds_before=ctl.placed_speeds,
+                              changes_placement=any(d.kind in policy.PLACEMENT_KINDS for d in decisions),
+                              planned_speeds=_planned_speeds(baseline))
         ctl.in_flight = flight
         ctl.plan_times.append(now)
         self._record(group, "plan_sent", epoch=epoch, reason=reason, layers=list(changed),
@@ -246,6 +263,8 @@ class Controller:
                 group.epoch_in_force = max(group.epoch_in_force, ack.epoch_in_force)
                 group.note_epoch(ack.epoch_in_force)
             flight.acked_at = now
+            if flight.changes_placement:
+                ctl.placed_speeds = flight.planned_speeds
             for layer in flight.changed_layers:
                 ctl.last_change[layer] = now
             ctl.plans_applied += 1
@@ -311,6 +330,8 @@ class Controller:
                              state=state, reason=why)
             ctl.in_flight = ctl.verifying = None
             ctl.last_change.clear()
+            ctl.speeds = rank_speed.RankSpeedState()  # the new runtime may run on other devices
+            ctl.placed_speeds = None  # and starts from its own placement
 
     def forget(self, key: tuple[str, str]) -> None:
         with self._lock:
@@ -318,9 +339,11 @@ class Controller:
 
     # --- verify -------------------------------------------------------------------------------------
     def on_window(self, group: GroupStore, triaged: TriagedWindow) -> None:
-        """After each triaged window: verify the plan under verification on its own epoch's windows."""
+        """After each triaged window: fold it into the ranks' speeds, then verify the plan under
+        verification on its own epoch's windows."""
         ctl = self.control(group.key)
         with self._lock:
+            self._observe_rank_speed(group, ctl, triaged.window)
             flight = ctl.verifying
             if flight is None or triaged.window.epoch != flight.plan.epoch:
                 return
@@ -346,6 +369,28 @@ class Controller:
                        f"rollback of epoch {flight.plan.epoch}: {outcome.reason}", [], {},
                        flight.changed_layers, np.array(latest.physical_to_logical_map),
                        np.array(latest.capacity_factor), now, rollback_of=flight.plan.epoch)
+            if ctl.in_flight is not None and ctl.in_flight.rollback_of == flight.plan.epoch:
+                # The old placement comes back, and with it what it was made for.
+                ctl.in_flight.changes_placement = True
+                ctl.in_flight.planned_speeds = flight.speeds_before
+
+    def _observe_rank_speed(self, group: GroupStore, ctl: GroupControl, window) -> None:
+        """Each rank's speed from this window (in every mode: it is exported and audited); a rank that
+        becomes slow or recovers is audited as `rank_slow` / `rank_recovered`."""
+        speed, load = tm.rank_speed(window), tm.rank_load(window)
+        if speed is None or load is None:
+            return  # a window without compute times or rank counts measures no speed
+        params = self.params.rank_speed
+        ctl.speeds, change = rank_speed.observe(ctl.speeds, speed, load.sum(axis=0), params)
+        record_rank_speed(self.metrics, group.key, ctl.speeds)
+        relative, rate = ctl.speeds.relative_speed, ctl.speeds.pairs_per_second
+        for event, ranks, threshold in (("rank_slow", change.became_slow, params.slow_below),
+                                        ("rank_recovered", change.recovered, params.recover_above)):
+            for rank in ranks:
+                self._record(group, event, rank=rank, relative_speed=round(float(relative[rank]), 4),
+                             pairs_per_second=round(float(rate[rank]), 1), threshold=threshold,
+                             windows=params.windows, slow_ranks=list(ctl.speeds.slow_ranks),
+                             epoch_in_force=window.epoch)
 
     def status(self, key: tuple[str, str]) -> dict[str, Any]:
         ctl = self.control(key)
@@ -359,6 +404,9 @@ class Controller:
             return {"in_flight": brief(ctl.in_flight), "verifying": brief(ctl.verifying),
                     "plans_applied": ctl.plans_applied, "rollbacks": ctl.rollbacks,
                     "observed_stall_per_slot_seconds": ctl.stall_per_slot,
+                    "rank_relative_speed": [None if not np.isfinite(x) else round(float(x), 4)
+                                            for x in ctl.speeds.relative_speed],
+                    "slow_ranks": list(ctl.speeds.slow_ranks),
                     "layers_in_cooldown": sorted(layer for layer, t in ctl.last_change.items()
                                                  if self.clock() - t < self.cfg.policy.cooldown_seconds),
                     "recent": list(ctl.recent)[-20:]}
@@ -367,3 +415,9 @@ class Controller:
 def _num_nodes(hello) -> int:
     per_node = hello.ranks_per_node or hello.world_size
     return max(1, hello.world_size // per_node) if hello.world_size % per_node == 0 else 1
+
+
+
+def _planned_speeds(baseline: dict[int, verification.LayerBaseline]) -> np.ndarray | None:
+    """The rank speeds a plan's placement was made for (None: equal speeds)."""
+    return next((b.rank_speed for b in baseline.values() if b.rank_speed is not None), None)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .config import AgentConfig
 from .policy import CostParams, PolicyParams
+from .rank_speed import RankSpeedParams
 from .verification import VerifyParams
 
 
@@ -14,6 +15,7 @@ from .verification import VerifyParams
 class ControlParams:
     policy: PolicyParams
     verify: VerifyParams
+    rank_speed: RankSpeedParams
 
 
 def cost_params(cfg: AgentConfig) -> CostParams:
@@ -40,6 +42,13 @@ def verify_params(cfg: AgentConfig) -> VerifyParams:
                         rollback_time_rise=v.rollback_time_rise)
 
 
+def rank_speed_params(cfg: AgentConfig) -> RankSpeedParams:
+    p = cfg.policy
+    return RankSpeedParams(windows=p.slow_rank_windows, min_pairs=p.slow_rank_min_pairs,
+                           slow_below=p.slow_rank_below, recover_above=p.slow_rank_recover_above,
+                           replan_change=p.slow_rank_replan_change)
+
+
 def from_config(cfg: AgentConfig) -> ControlParams:
     """Every decision module's parameters, from one validated config (the controller keeps the result)."""
-    return ControlParams(policy=policy_params(cfg), verify=verify_params(cfg))
+    return ControlParams(policy=policy_params(cfg), verify=verify_params(cfg), rank_speed=rank_speed_params(cfg))

@@ -12,6 +12,9 @@
 5. the cost gate: the model's balancedness must rise by `min_balancedness_gain`, and the predicted
    seconds saved over `horizon_seconds` must beat the predicted migration stall of the slots that
    change (the larger of the cost model's and what the runtime's Acks reported per slot moved);
+   while a rank is persistently slow (`GroupView.rank_speed`, from rank_speed.py) the planner places
+   for the measured speeds and the gate reads balancedness by time (pairs over speed), which such a
+   plan raises while plain balancedness falls;
 6. capacity factor within [capacity_factor_min, capacity_factor_max]; lossy caps only when allowed;
 7. the global rate limit on plans per hour.
 Whatever passes is folded into one whole Plan (every layer's map and capacity factor), the rest is
@@ -35,6 +38,7 @@ from moewatch.planner import placement_math as pm
 from moewatch.vocabulary import DECISION_KINDS
 
 from .evidence import computed_load, mean_metric, measured, persistent_overflow, persistent_verdicts, steps_per_second
+from .rank_speed import rank_seconds, time_balancedness
 from .store import TriagedWindow
 from .verification import LayerBaseline, make_baseline
 
@@ -120,16 +124,31 @@ class GroupView:
     fit_windows: Sequence[TriagedWindow] = ()
     # What the actuator that would apply this group's plans declares (an engine that takes none says why).
     actuator: ActuatorProperties = ActuatorProperties()
+    # [W] measured relative speeds while a rank is persistently slow (rank_speed.planning_speeds), else
+    # None: the planner places for equal speeds (an even split).
+    rank_speed: np.ndarray | None = None
+    slow_ranks: tuple[int, ...] = ()  # the ranks counted persistently slow
+    # The placement in force was made for rank speeds: when none is slow any more, every layer is
+    # re-planned for equal speeds (back towards an even split).
+    placed_for_speeds: bool = False
+
+    @property
+    def speed_replan(self) -> bool:
+        """Every layer is a placement candidate: a rank is slow, or the speeds the placement was made
+        for no longer hold."""
+        return self.rank_speed is not None or self.placed_for_speeds
 
 
 def proposed_placement(load: np.ndarray, current: np.ndarray, num_gpus: int, num_nodes: int,
-                       max_replicas: int) -> np.ndarray:
+                       max_replicas: int, rank_speed: np.ndarray | None = None) -> np.ndarray:
     """[L, E] load, [L, P] current placement -> [L, P] the planner's movement-aware placement, with no
-    expert in more than `max_replicas` slots."""
+    expert in more than `max_replicas` slots; rank_speed [W]: place in proportion to these relative
+    speeds (None: equal speeds)."""
     from moewatch.planner.solve import solve_placement  # the planner's scipy loads on first use
 
+    speeds = {} if rank_speed is None else {"rank_speed": [float(x) for x in rank_speed]}
     return np.array(solve_placement(load, num_gpus, current.shape[1], num_nodes, current=current,
-                                    max_replicas=max_replicas).physical_to_logical_map)
+                                    max_replicas=max_replicas, **speeds).physical_to_logical_map)
 
 
 def fitted_cost_model(windows: Sequence[TriagedWindow], migration_bandwidth: float) -> cost.CostModel:
@@ -187,9 +206,13 @@ def _decide(view: GroupView, params: PolicyParams, now: float) -> Proposal:
     for layer, value in capped.items():
         new_cap[layer] = value
         kinds.setdefault(layer, "capacity")
-    baseline = {layer: make_baseline(evidence, layer, current_map[layer], float(current_cap[layer]), view.num_gpus)
+    # A layer placed for rank speeds is verified by time only (verification.py).
+    baseline = {layer: make_baseline(evidence, layer, current_map[layer], float(current_cap[layer]), view.num_gpus,
+                                     view.rank_speed if layer in placed else None)
                 for layer in kinds}
     summary = "; ".join(f"layer {layer}: {kind}" for layer, kind in sorted(kinds.items()))
+    if placed and view.rank_speed is not None:
+        summary += " (placed for rank speeds " + "/".join(f"{x:.2f}" for x in view.rank_speed) + ")"
     return Proposal(decisions, new_map, new_cap, tuple(sorted(kinds)), baseline, summary)
 
 
@@ -205,6 +228,15 @@ def _recommend_only(view: GroupView, params: PolicyParams, now: float, note: str
 
 def _label(verdict: str, cause: str | None) -> str:
     return verdict + (f"/{cause}" if cause else "")
+
+
+def _speed_label(view: GroupView) -> str:
+    """Why a layer without a verdict of its own is re-placed: the ranks' measured speeds."""
+    if view.rank_speed is None:
+        return "no rank slow any more (equal speeds again)"
+    slow = view.slow_ranks
+    return f"slow rank{'s' if len(slow) > 1 else ''} {', '.join(map(str, slow))} (relative speed " + \
+        ", ".join(f"{view.rank_speed[r]:.2f}" for r in slow) + ")"
 
 
 def choose_levers(view: GroupView, params: PolicyParams, evidence: Sequence[TriagedWindow], now: float
@@ -275,6 +307,16 @@ def choose_levers(view: GroupView, params: PolicyParams, evidence: Sequence[Tria
                 capacity[layer] = (min(wanted, params.max_capacity_factor), False)
             else:
                 skip("capacity", layer, f"{label}: the runtime does not take a capacity factor")
+    if view.speed_replan and "plan" in view.capabilities:
+        # A slow rank is the device's, not one layer's verdict: every layer is re-placed for the measured
+        # speeds (once it recovered, back towards an even split), each through the same cost gate, which
+        # leaves a layer alone when the planner finds nothing better.
+        for layer in range(len(latest.layers)):
+            since = view.last_change.get(layer)
+            if (layer in placement or "expert_load" in latest.layers[layer].missing
+                    or (since is not None and now - since < params.cooldown_seconds)):
+                continue
+            placement[layer] = "placement"
     return decisions, placement, capacity
 
 
@@ -288,9 +330,13 @@ def placement_proposals(view: GroupView, params: PolicyParams, evidence: Sequenc
     latest = evidence[-1]
     verdicts = persistent_verdicts(evidence, k)
     load = computed_load(evidence)
-    proposed = proposed_placement(load, current_map, view.num_gpus, view.num_nodes, params.max_replicas_per_expert)
-    model_before = pm.placement_balancedness(load, current_map, view.num_gpus)
-    model_after = pm.placement_balancedness(load, proposed, view.num_gpus)
+    speed = view.rank_speed
+    proposed = proposed_placement(load, current_map, view.num_gpus, view.num_nodes, params.max_replicas_per_expert,
+                                  speed)
+    # With a slow rank, balancedness by time is the gate's figure: a plan in proportion to speed
+    # unbalances pairs on purpose. With equal speeds the two are the same.
+    model_before = time_balancedness(pm.gpu_load(load, current_map, view.num_gpus), speed)
+    model_after = time_balancedness(pm.gpu_load(load, proposed, view.num_gpus), speed)
     moved = pm.experts_moved(current_map, proposed)
     counts_before = pm.replica_counts_of(current_map, view.num_experts)
     counts_after = pm.replica_counts_of(proposed, view.num_experts)
@@ -299,16 +345,25 @@ def placement_proposals(view: GroupView, params: PolicyParams, evidence: Sequenc
     # under either placement and the stall of moving the slots that change.
     model = fitted_cost_model(view.fit_windows or view.windows, params.cost.migration_bandwidth_bytes_per_second)
     hidden = latest.window.hidden_bytes
-    t_before = cost.layer_seconds(model, load, current_map, view.num_gpus, hidden, view.num_nodes)["total"]
-    t_after = cost.layer_seconds(model, load, proposed, view.num_gpus, hidden, view.num_nodes)["total"]
+    t_before = cost.layer_seconds(model, load, current_map, view.num_gpus, hidden, view.num_nodes, speed)["total"]
+    t_after = cost.layer_seconds(model, load, proposed, view.num_gpus, hidden, view.num_nodes, speed)["total"]
     per_node = view.num_gpus // view.num_nodes
     node_before = topology.expected_cross_node_ratio(load, current_map, view.num_gpus, per_node)
     node_after = topology.expected_cross_node_ratio(load, proposed, view.num_gpus, per_node)
+    # The slowest rank's work (pairs over speed) under either placement: for a re-placement driven by
+    # rank speed the gain is also read from the measured compute of the slowest rank, scaled by how its
+    # work shrinks; the fitted model keeps one rate for every rank and may not see a slow device.
+    work_before = rank_seconds(pm.gpu_load(load, current_map, view.num_gpus), speed).max(axis=1)
+    work_after = rank_seconds(pm.gpu_load(load, proposed, view.num_gpus), speed).max(axis=1)
     rows: dict[int, tuple[np.ndarray, str]] = {}
     decisions: list[Decision] = []
     for layer in layers:
         kind = "replicate" if not np.array_equal(counts_before[layer], counts_after[layer]) else "placement"
         gain = max(0.0, float(t_before[layer] - t_after[layer])) * rate * params.horizon_seconds
+        compute = measured(evidence, layer, "compute_seconds_per_step", 9)
+        if view.speed_replan and compute is not None and work_before[layer] > 0:
+            saved = compute * max(0.0, 1.0 - float(work_after[layer] / work_before[layer]))
+            gain = max(gain, saved * rate * params.horizon_seconds)
         stall = cost.migration_stall(model, np.array([moved[layer]]), params.cost.expert_bytes)["stall_seconds"]
         if view.num_nodes > 1:  # a slot filled from another node moves its weights over the slower link
             stall = topology.migration_seconds(current_map[layer], proposed[layer], view.num_gpus,
@@ -320,7 +375,7 @@ def placement_proposals(view: GroupView, params: PolicyParams, evidence: Sequenc
         # An actuator that applies by a restart or the engine's own rebalance costs its whole apply, for any move.
         stall = max(stall, view.actuator.apply_seconds)
         hot = latest.diagnosis.layers[layer].metrics["hot_experts"]
-        verdict = _label(*verdicts[layer])
+        verdict = _label(*verdicts[layer]) if layer in verdicts else _speed_label(view)
         before = {"verdict": verdict, "balancedness": measured(evidence, layer, "balancedness"),
                   "model_balancedness": round(float(model_before[layer]), 4),
                   "layer_seconds_per_step": measured(evidence, layer, "layer_seconds_per_step", 9),
@@ -332,7 +387,10 @@ def placement_proposals(view: GroupView, params: PolicyParams, evidence: Sequenc
                  "model_layer_seconds_per_step": float(t_after[layer]),
                  "replicas": {int(e): int(counts_after[layer, e]) for e in hot},
                  "slots_moved": int(moved[layer]), "predicted_stall_seconds": stall, "num_nodes": view.num_nodes,
-                 "predicted_gain_seconds": gain, "horizon_seconds": params.horizon_seconds}
+                 "predicted_gain_seconds": gain, "horizon_seconds": params.horizon_seconds,
+                 "rank_speed": None if speed is None else [round(float(x), 4) for x in speed],
+                 "plain_balancedness": round(float(pm.placement_balancedness(load, proposed, view.num_gpus)[layer]),
+                                             4)}
         if moved[layer] == 0 or model_after[layer] < model_before[layer] + params.min_balancedness_gain:
             reason = (f"the planner finds no placement better by {params.min_balancedness_gain:g} "
                       f"(model balancedness {model_before[layer]:.3f} -> {model_after[layer]:.3f})")
@@ -345,7 +403,10 @@ def placement_proposals(view: GroupView, params: PolicyParams, evidence: Sequenc
             what = (f"hot expert{'s' if len(hot) > 1 else ''} {', '.join(map(str, hot))} "
                     if kind == "replicate" and hot else "")
             where = f" (node-aware, {view.num_nodes} nodes)" if view.num_nodes > 1 else ""
-            reason = (f"{verdict} for {k} windows: {kind} {what}{where}-> balancedness {model_before[layer]:.3f} -> "
+            if speed is not None:
+                where += (" " if where else "") + "for rank speeds " + "/".join(f"{x:.2f}" for x in speed) + " "
+            measure = "balancedness by time" if speed is not None else "balancedness"
+            reason = (f"{verdict} for {k} windows: {kind} {what}{where}-> {measure} {model_before[layer]:.3f} -> "
                       f"{model_after[layer]:.3f} (model); gain {gain:.2f} s over {params.horizon_seconds:g} s vs stall "
                       f"{stall:.3f} s")
             decisions.append(Decision(kind, (layer,), "proposed", reason, before, after))

@@ -3,6 +3,11 @@
 The judgement compares each window of the new epoch with a control for the same traffic, the old
 placement on that window's load (`verify`), from a LayerBaseline recorded before the change
 (`make_baseline`). Decisions only, like the policy: no sockets, files or clocks.
+
+A layer placed for rank speeds (a persistently slow rank: the baseline carries the speeds) is judged
+by time alone: such a plan gives the slow rank fewer pairs on purpose, so its plain balancedness
+falls while the step gets faster, and a balancedness criterion would roll back every good one. The
+old map's "busiest rank" is then the one whose pairs take longest at those speeds.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 from moewatch.planner import placement_math as pm
 
 from .evidence import computed_load, mean_metric
+from .rank_speed import rank_seconds
 from .store import TriagedWindow
 
 
@@ -40,18 +46,29 @@ class LayerBaseline:
     model_bias: float  # measured minus model balancedness of the old placement on the same load
     old_map: np.ndarray  # [P] the layer's placement before
     old_capacity: float
+    # [W] the relative speeds the new placement was made for (None: equal speeds). With speeds, the
+    # busiest GPU is the slowest by time (pairs over speed) and balancedness is not a criterion.
+    rank_speed: np.ndarray | None = None
 
 
 def make_baseline(windows: Sequence[TriagedWindow], layer: int, old_map: np.ndarray, old_capacity: float,
-                  num_gpus: int) -> LayerBaseline:
-    """A layer's state before a change, from the windows the decision used. old_map: [P]."""
+                  num_gpus: int, rank_speed: np.ndarray | None = None) -> LayerBaseline:
+    """A layer's state before a change, from the windows the decision used. old_map: [P]; rank_speed:
+    [W] the relative speeds the change was planned for (None: equal)."""
     load = computed_load(windows)[layer:layer + 1]
     measured = mean_metric(windows, layer, "balancedness")
     model = float(pm.placement_balancedness(load, old_map[None, :], num_gpus)[0])
-    busiest = float(pm.gpu_load(load, old_map[None, :], num_gpus).max())
+    speed = None if rank_speed is None else np.asarray(rank_speed, dtype=np.float64)
+    busiest = _busiest(load, old_map, num_gpus, speed)
     return LayerBaseline(layer, measured, mean_metric(windows, layer, "layer_seconds_per_step"),
                          mean_metric(windows, layer, "compute_seconds_per_step"), busiest, measured - model,
-                         np.array(old_map), float(old_capacity))
+                         np.array(old_map), float(old_capacity), speed)
+
+
+def _busiest(load: np.ndarray, row: np.ndarray, num_gpus: int, rank_speed: np.ndarray | None) -> float:
+    """[1, E] load, [P] placement -> the busiest GPU's pairs per step, or (with speeds) the slowest
+    GPU's time in pair-times of a typical rank."""
+    return float(rank_seconds(pm.gpu_load(load, np.asarray(row)[None, :], num_gpus), rank_speed).max())
 
 
 @dataclass(frozen=True)
@@ -80,12 +97,11 @@ def _layer_evidence(base: LayerBaseline, window: TriagedWindow, num_gpus: int) -
     load = computed_load([window])[layer:layer + 1]
     old_row = base.old_map[None, :]
     old_model = float(pm.placement_balancedness(load, old_row, num_gpus)[0])
-    growth = (float(pm.gpu_load(load, old_row, num_gpus).max()) / base.model_max_gpu_load
+    growth = (_busiest(load, base.old_map, num_gpus, base.rank_speed) / base.model_max_gpu_load
               if base.model_max_gpu_load > 0 else 1.0)
     speed = 1.0
     compute = metrics.get("compute_seconds_per_step")
-    new_busiest = float(pm.gpu_load(load, np.asarray(window.window.physical_to_logical_map)[layer:layer + 1],
-                                    num_gpus).max())
+    new_busiest = _busiest(load, np.asarray(window.window.physical_to_logical_map)[layer], num_gpus, base.rank_speed)
     if (compute is not None and math.isfinite(compute) and new_busiest > 0 and base.model_max_gpu_load > 0
             and base.compute_seconds > 0 and math.isfinite(base.compute_seconds)):
         per_pair_now = compute / new_busiest
@@ -93,8 +109,10 @@ def _layer_evidence(base: LayerBaseline, window: TriagedWindow, num_gpus: int) -
         speed = min(2.0, max(0.5, per_pair_now / per_pair_before))
     seconds = metrics.get("layer_seconds_per_step")
     balancedness = metrics.get("balancedness")  # absent evidence: NaN, which never reads as a regression
+    # Placed for rank speeds: no balancedness control (NaN never reads as a regression); time decides.
+    control = float("nan") if base.rank_speed is not None else min(1.0, old_model + base.model_bias)
     return {"balancedness": float("nan") if balancedness is None else float(balancedness),
-            "balancedness_control": min(1.0, old_model + base.model_bias),
+            "balancedness_control": control,
             "seconds": float("nan") if seconds is None else float(seconds),
             "seconds_control": (base.layer_seconds + base.compute_seconds * (growth - 1.0)) * speed,
             "machine_speed": speed}
@@ -106,7 +124,8 @@ def verify(baseline: dict[int, LayerBaseline], windows: Sequence[TriagedWindow],
 
     Each window of the new epoch is compared, per changed layer, with the control for the same
     traffic (`_layer_evidence`: the old map on that window's load). A layer regressed when
-    - its balancedness is below the control's by more than params.rollback_balancedness_drop, or
+    - its balancedness is below the control's by more than params.rollback_balancedness_drop (not
+      for a layer placed for rank speeds, which lowers it on purpose), or
     - its time per step is above the control's by more than params.rollback_time_rise.
     Noise cannot decide alone: the verdict uses the median over the last n windows
     (n = max(params.windows, MIN_VERIFY_WINDOWS)), and a rollback also needs the regression in every
@@ -129,7 +148,8 @@ def verify(baseline: dict[int, LayerBaseline], windows: Sequence[TriagedWindow],
                           "balancedness_old_map_same_load": med["balancedness_control"],
                           "layer_seconds_before": base.layer_seconds, "layer_seconds_after": med["seconds"],
                           "layer_seconds_old_map_same_load": med["seconds_control"],
-                          "machine_speed": med["machine_speed"], "windows": n}
+                          "machine_speed": med["machine_speed"], "windows": n,
+                          "rank_speed": None if base.rank_speed is None else [float(x) for x in base.rank_speed]}
         balance_median = float(np.median(drop)) < -params.rollback_balancedness_drop
         balance_persists = bool(np.all(drop < -params.rollback_balancedness_drop))
         timed = rise[np.isfinite(rise)]

@@ -108,6 +108,13 @@ def format_summary(diagnosis: WindowDiagnosis) -> str:
     slow = s["slowest_rank"]
     if slow["compute_share"] is not None:
         lines.append(f"slowest rank: {slow['rank']} ({slow['compute_share']:.0%} of expert compute time)")
+    speed = s.get("rank_speed")
+    if speed is not None and any(d.cause == "straggler" for d in diagnosis.layers):
+        # A straggler is either too much load or a slow device: the speed per pair tells them apart.
+        ranks = ", ".join(f"{r}: {rate:,.0f} pairs/s ({rel:.2f}x)" if rate is not None and rel is not None
+                          else f"{r}: not measured" for r, (rate, rel)
+                          in enumerate(zip(speed["pairs_per_second"], speed["relative"])))
+        lines.append(f"rank speed (pairs per second of expert compute; x the median rank): {ranks}")
     if s["hot_experts_across_layers"]:
         hot = ", ".join(f"{h['expert']} in {h['layers']} layers" for h in s["hot_experts_across_layers"][:5])
         lines.append(f"experts hot across layers: {hot}")

@@ -36,6 +36,7 @@ import contextlib
 import click
 import numpy as np
 
+from moewatch import telemetry as tm
 from moewatch.agent.config import build_config
 from moewatch.agent.store import GroupStore, TriagedWindow
 from moewatch.cli_contract import OneLineCommand, fail_input
@@ -176,6 +177,9 @@ class Recorder:
                         f"{','.join(map(str, entry['layers']))})")
         elif event == "plan_applied":
             self._print(f"  <- ack: epoch {entry['epoch']} in force (stall {entry['stall_seconds'] * 1e3:.0f} ms)")
+        elif event in ("rank_slow", "rank_recovered"):
+            self._print(f"  {event}: rank {entry['rank']} at {entry['relative_speed']:.2f}x the median rank's speed "
+                        f"({entry['pairs_per_second']:,.0f} pairs/s)")
         elif event in ("verified", "rollback", "rolled_back", "plan_failed", "plan_invalid"):
             self._print(f"  {event}: epoch {entry.get('epoch')} {entry.get('reason') or entry.get('error') or ''}")
 
@@ -208,6 +212,14 @@ def _mean_balancedness(windows: list[TriagedWindow]) -> float | None:
     if not windows:
         return None
     return float(np.mean([[d.metrics["balancedness"] for d in t.diagnosis.layers] for t in windows]))
+
+
+def mean_time_balancedness(windows: list[TriagedWindow]) -> float | None:
+    """Mean over windows and layers of balancedness by time (mean/max of the ranks' expert compute):
+    what a plan for a slow rank raises while plain balancedness falls. None without compute times."""
+    values = [tm.time_balancedness(t.window) for t in windows]
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
 
 
 def step_times(windows: list[TriagedWindow]) -> np.ndarray:
@@ -329,6 +341,8 @@ def step_figures(windows: list[TriagedWindow], events: list[dict[str, Any]], war
     return {
         "windows_before": len(before), "windows_after": len(after),
         "balancedness_before": _mean_balancedness(before), "balancedness_after": _mean_balancedness(after),
+        "time_balancedness_before": mean_time_balancedness(before),
+        "time_balancedness_after": mean_time_balancedness(after),
         "step_p50_before_s": percentile(steps_before, 50), "step_p50_after_s": percentile(steps_after, 50),
         "step_p99_before_s": percentile(steps_before, 99), "step_p99_after_s": percentile(steps_after, 99),
         "migration_stall_s": {"total": float(sum(stalls)), "per_plan": stalls},

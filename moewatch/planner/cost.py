@@ -108,15 +108,19 @@ def rank_traffic(traffic: np.ndarray, num_nodes: int = 1) -> dict[str, np.ndarra
 
 
 def layer_seconds(model: CostModel, load: np.ndarray, pmap: np.ndarray, num_gpus: int,
-                  hidden_bytes: int, num_nodes: int = 1) -> dict[str, np.ndarray]:
+                  hidden_bytes: int, num_nodes: int = 1, rank_speed: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """[L, E] load (pairs per step), [L, P] placement -> per layer [L]: compute, all-to-all
-    (dispatch + combine) and total seconds per step."""
+    (dispatch + combine) and total seconds per step. rank_speed: [W] relative speeds (the model's
+    parameters are a rank of speed 1.0; a rank at 0.5 computes its work in twice the time); None:
+    equal speeds."""
     E = load.shape[1]
     W = num_gpus
     per = rank_traffic(expected_traffic(load, pmap, W, num_nodes), num_nodes)
     experts_on_rank = (holders(pmap, E, W) > 0).sum(axis=1)  # [L, W]
-    compute = (model.seconds_per_pair * per["computed"]
-               + model.seconds_per_local_expert * experts_on_rank).max(axis=1) + model.fixed_seconds
+    work = model.seconds_per_pair * per["computed"] + model.seconds_per_local_expert * experts_on_rank
+    if rank_speed is not None:
+        work = work / np.asarray(rank_speed, dtype=np.float64)[None, :]
+    compute = work.max(axis=1) + model.fixed_seconds
     one_way = _one_way_seconds(model, per, hidden_bytes, W)
     a2a = 2.0 * one_way
     return {"compute": compute, "a2a": a2a, "total": compute + a2a}

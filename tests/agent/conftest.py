@@ -20,10 +20,12 @@ from moewatch.agent.daemon import Daemon
 
 def make_window(load: np.ndarray, pmap: np.ndarray, world_size: int, *, epoch: int = 0, start_time: float = 1000.0,
                 steps: int = 4, model: str = "m", ep_group: str = "g", capacity_factor: float = 0.0,
-                seconds_per_pair: float = 2e-6, transfer_seconds: float = 5e-5, top_k: int = 2) -> Window:
+                seconds_per_pair: float = 2e-6, transfer_seconds: float = 5e-5, top_k: int = 2,
+                rank_slowdown=None) -> Window:
     """A valid window for `load` [L, E] pairs per step on placement `pmap` [L, P]: tokens start evenly
     over the ranks and take a replica on their own rank, else one spread evenly (the runtime's rule).
-    Every rank waits for the busiest one inside the combine all-to-all."""
+    Every rank waits for the busiest one inside the combine all-to-all. rank_slowdown: [W] factors on
+    each rank's time per pair (a slow device at 2.0)."""
     load = np.asarray(load, dtype=np.int64)
     pmap = np.asarray(pmap, dtype=np.int64)
     L, E = load.shape
@@ -53,7 +55,7 @@ def make_window(load: np.ndarray, pmap: np.ndarray, world_size: int, *, epoch: i
     sent = traffic.sum(axis=2) - local
     received = traffic.sum(axis=1) - local
     rank_load = local + received
-    compute = rank_load * seconds_per_pair
+    compute = rank_load * seconds_per_pair * (1.0 if rank_slowdown is None else np.asarray(rank_slowdown)[None, :])
     finish = compute.max(axis=1, keepdims=True) + transfer_seconds * steps
     dispatch = np.full((L, W), transfer_seconds * steps)
     combine = finish - compute

@@ -139,3 +139,21 @@ def test_binary_window_files_are_read_too(example_dir, tmp_path):
     blob.write_bytes(Window.from_json((example_dir / "overflow.json").read_text()).to_bytes())
     out = json.loads(run("diagnose", str(blob), "--json").output)
     assert all(layer["overflow"] for layer in out["layers"])
+
+
+def test_a_named_straggler_comes_with_each_rank_speed():
+    """The slow-device example (rank 0 computes 1.8x slower): the human output prints each rank's pairs
+    per second and its speed over the median rank's; the JSON summary carries them for every window."""
+    result = run("diagnose", str(ROOT / "examples" / "imbalance-straggler.json"))
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("rank speed"))
+    assert "pairs/s" in line and line.count("x)") >= 2
+    out = json.loads(run("diagnose", str(ROOT / "examples" / "imbalance-straggler.json"), "--json").output)
+    speed = out["summary"]["rank_speed"]
+    assert speed["relative"][0] < 0.85 and all(r > 0.85 for r in speed["relative"][1:])
+    assert all(rate > 0 for rate in speed["pairs_per_second"])
+    # No straggler named: no speed line (the JSON still has the numbers).
+    hot = run("diagnose", str(ROOT / "examples" / "imbalance-hot-experts.json"))
+    assert not any(line.startswith("rank speed") for line in hot.output.splitlines())
+    assert json.loads(run("diagnose", str(ROOT / "examples" / "imbalance-hot-experts.json"), "--json").output)[
+        "summary"]["rank_speed"] is not None

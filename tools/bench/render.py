@@ -120,10 +120,33 @@ def _loop_value(result: dict[str, Any], key: str) -> Any:
     return result.get(f"{key}_median", result.get(key))
 
 
+def _slow_rank(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The slow-rank setup of a `bench loop --slow-rank` result (None: the hot-expert loop)."""
+    return result.get("speed_aware_optimum")
+
+
 def render_loop(records: list[dict[str, Any]]) -> str:
-    cols = [("runs", lambda r: r.get("repeat", 1)),
+    def workload(r: dict[str, Any]) -> str:
+        slow = _slow_rank(r)
+        return "hot experts" if slow is None else f"rank {slow['slow_rank']} at {fmt(slow['slow_factor'])}x"
+
+    def time_balancedness(r: dict[str, Any]) -> str:
+        runs = r.get("runs", [r])
+        before = [x["time_balancedness_before"] for x in runs if x.get("time_balancedness_before") is not None]
+        after = [x["time_balancedness_after"] for x in runs if x.get("time_balancedness_after") is not None]
+        if not before or not after:
+            return "n/a"
+
+        def span(values: list[float]) -> str:  # each figure as a run recorded it
+            return fmt(values[0]) if len(values) == 1 else f"{fmt(min(values))}-{fmt(max(values))}"
+
+        return f"{span(before)} -> {span(after)}"
+
+    cols = [("workload", workload), ("runs", lambda r: r.get("repeat", 1)),
             ("step p50 ratio (median)", lambda r: _loop_value(r, "step_p50_ratio")),
             ("windows to fix (median)", lambda r: _loop_value(r, "windows_to_fix")),
+            ("step p50 ratio (worst run)", lambda r: r.get("step_p50_ratio_max", r.get("step_p50_ratio"))),
+            ("balancedness by time, before -> after (runs)", time_balancedness),
             ("false rollbacks", _key("false_rollbacks")), ("pairs lost", _key("pairs_lost"))]
     return _table(_of(records, "loop"), cols, "loop", "moewatch bench loop --json --repeat 20")
 
@@ -143,7 +166,8 @@ def render_planner(records: list[dict[str, Any]]) -> str:
 
 
 def render_readme_loop(records: list[dict[str, Any]]) -> str:
-    repeated = [r for r in _of(records, "loop") if r["result"].get("repeat", 1) > 1]
+    # The README's line is the hot-expert loop; a slow-rank run is on the loop page.
+    repeated = [r for r in _of(records, "loop") if r["result"].get("repeat", 1) > 1 and _slow_rank(r["result"]) is None]
     if not repeated:
         return "_No recorded repeated `bench loop` run yet: run `moewatch bench loop --json --repeat 20`._\n"
     record = repeated[-1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from moewatch.tools.demo import migration_spans, step_figures, steady_windows
 from moewatch.tools.bench.loop import summarise_runs, windows_to_fix
@@ -62,3 +63,33 @@ def test_repeat_counts_false_rollbacks_over_runs():
     out = summarise_runs([run, {**run, "false_rollbacks": 1, "step_p50_ratio": 0.9}, {**run, "windows_to_fix": None}])
     assert out["repeat"] == 3 and out["false_rollbacks"] == 1 and out["runs_with_false_rollback"] == 1
     assert out["runs_fixed"] == 2 and out["step_p50_ratio_median"] == 0.7
+
+
+def test_a_slow_rank_run_is_fixed_by_time_and_counted_from_the_first_plan(helpers):
+    """Balanced pairs, rank 1 twice as slow: three windows on the even map (time balancedness 0.75),
+    the plan sent during the third, then the speed-aware map (5.5 / 2.5 units: times nearly equal)."""
+    from moewatch.tools.bench.loop import time_fixed, windows_from_plan_to_fix
+    from moewatch.tools.demo import mean_time_balancedness
+
+    even = helpers.contiguous(2, E, P)
+    uneven = even.copy()
+    uneven[:, 6:] = [6, 7, 0, 6, 7, 6]  # rank 1: experts 6, 7 alone (padded) and 0 shared with rank 0
+    uneven[:, :6] = [0, 1, 2, 3, 4, 5]
+
+    def window(pmap, epoch, start):
+        w = helpers.make_window(np.full((2, E), 100), pmap, 2, epoch=epoch, start_time=start, rank_slowdown=(1.0, 2.0))
+        w = dataclasses.replace(w, end_time=start + 5.0)
+        return TriagedWindow(w, diagnose(w), 0.0)
+
+    windows = [window(even, 0, 1000.0 + 10 * i) for i in range(3)] + \
+        [window(uneven, 1, 1040.0 + 10 * i) for i in range(2)]
+    events = [{"event": "plan_sent", "time": 1022.0, "epoch": 1},
+              {"event": "plan_applied", "time": 1030.0, "epoch": 1, "stall_seconds": 0.1}]
+    assert not any(time_fixed(t) for t in windows[:3]) and all(time_fixed(t) for t in windows[3:])
+    assert windows_to_fix(windows, time_fixed) == 3
+    assert windows_from_plan_to_fix(windows, events, time_fixed) == 1
+    assert windows_from_plan_to_fix(windows[:3], events, time_fixed) is None
+    assert mean_time_balancedness(windows[:3]) == pytest.approx(0.75)
+    assert mean_time_balancedness(windows[3:]) > 0.9
+    f = step_figures(windows, events)
+    assert f["time_balancedness_before"] == pytest.approx(0.75) and f["time_balancedness_after"] > 0.9
