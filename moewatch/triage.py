@@ -5,9 +5,10 @@
    rank that arrives last spends only the transfer and what the others spend beyond it is waiting
    (telemetry.a2a_transfer_seconds; measured waits when the window carries `wait_seconds`). Waiting
    is evidence for step 2: a rank that arrives late at even load is a straggler.
-2. Dispersion of per-rank load (std/mean, max/mean): large means load imbalance, unless expert
-   compute time is even (the ranks carry load in proportion to their speed, as a plan made for a
-   slow rank does on purpose: time sets the step, not pairs).
+2. Dispersion of per-rank load (std/mean, max/mean): large means load imbalance (with time
+   balancedness beside it: a plan made for a slow rank lowers plain balancedness on purpose). At
+   even load, a rank slower than the others (its compute time, or its speed over the whole window,
+   or the others' wait for it) is a straggler.
 3. Cross-rank ratio against what the placement predicts: well above it means the expert-to-rank
    mapping drives the traffic; at the prediction, the traffic is the inherent volume.
 
@@ -401,28 +402,26 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
     busiest, cv, max_mean = m["busiest_rank"], m["rank_load_cv"], m["rank_load_max_mean"]
     imbalanced: bool | None = None
     time_even = (m["compute_max_mean"] is not None and m["compute_max_mean"] <= t.compute_straggler_max_mean)
-    balanced_by_speed = False
     if cv is None:
         evidence.append(unknown_text("Rank load", "rank_load"))
     else:
         imbalanced = cv > t.rank_load_cv or max_mean > t.rank_load_max_mean
-        balanced_by_speed = bool(imbalanced and time_even)
-        if balanced_by_speed:
-            # Uneven pairs at even time: the ranks compute in proportion to their speed (a plan
-            # made for a slow rank does this on purpose); time, not pairs, sets the step.
-            imbalanced = False
-            evidence.append(
-                f"Rank load is uneven (max/mean {max_mean:.2f}) but expert compute time is even (max/mean "
-                f"{m['compute_max_mean']:.2f}, time balancedness {m['time_balancedness']:.2f}): the ranks "
-                "carry load in proportion to their speed.")
         max_min = m["rank_load_max_min"]
         max_min_text = "inf" if max_min is None else f"{max_min:.2f}"
+        if imbalanced and time_even:
+            # One window cannot tell ranks of different speeds (a plan made for a slow rank gives it
+            # fewer pairs on purpose) from compute time that does not follow pairs: the verdict stays
+            # the documented one, with time beside it.
+            evidence.append(
+                f"Rank load is uneven (max/mean {max_mean:.2f}) but expert compute time is even (max/mean "
+                f"{m['compute_max_mean']:.2f}, time balancedness {m['time_balancedness']:.2f}): balancing pairs "
+                "would not shorten compute; a plan made for rank speeds looks like this on purpose.")
         if imbalanced:
             evidence.append(
                 f"Rank {busiest} computes {max_mean:.2f}x the mean load (max/min {max_min_text}, "
                 f"std/mean {cv:.2f}; threshold {t.rank_load_cv:.2f}): the other ranks wait for it"
                 + (" inside the all-to-all." if comm else "."))
-        elif not (cv > t.rank_load_cv or max_mean > t.rank_load_max_mean):
+        else:
             evidence.append(f"Ranks are balanced: std/mean {cv:.2f}, max/mean {max_mean:.2f}.")
     hot = m["hot_experts"]
     skewed = bool(hot) and m["expert_load_cv"] > t.expert_load_cv
@@ -483,7 +482,7 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
         waited = "" if not wait else f"; the other ranks wait for it inside the all-to-all ({wait:.0%} of layer time)"
         evidence.append(f"At even load, rank {slow}'s expert compute takes {m['compute_max_mean']:.2f}x the "
                         f"mean: a slow device{waited}.")
-    elif (imbalanced is False and not balanced_by_speed and m["slow_rank_relative_speed"] is not None
+    elif (imbalanced is False and m["slow_rank_relative_speed"] is not None
           and m["slow_rank_relative_speed"] < t.straggler_relative_speed):
         verdict, cause = IMBALANCE_BOUND, "straggler"
         waited = "" if not wait else f"; the others wait {wait:.0%} of layer time for it inside the all-to-all"
