@@ -559,13 +559,18 @@ def a2a_seconds(w: Window) -> np.ndarray | None:
     return w.dispatch_seconds + w.combine_seconds
 
 
+def _share_of_layer_time(w: Window, seconds: np.ndarray | None) -> np.ndarray | None:
+    """[L] seconds (already summed over ranks) over layer time summed over ranks; None without either."""
+    if seconds is None or w.layer_seconds is None:
+        return None
+    return _ratio(seconds, w.layer_seconds.sum(axis=1))
+
+
 @_once
 def a2a_share(w: Window) -> np.ndarray | None:
     """[L] (dispatch + combine) / layer time, both summed over ranks."""
     a2a = a2a_seconds(w)
-    if a2a is None or w.layer_seconds is None:
-        return None
-    return _ratio(a2a.sum(axis=1), w.layer_seconds.sum(axis=1))
+    return _share_of_layer_time(w, None if a2a is None else a2a.sum(axis=1))
 
 
 def step_a2a_seconds(w: Window) -> float | None:
@@ -821,18 +826,14 @@ def a2a_transfer_share(w: Window) -> np.ndarray | None:
     """[L] transfer share of layer time: W x transfer / layer time summed over ranks. Step 1 of the
     triage uses it: waiting for a slow rank is not communication."""
     transfer = a2a_transfer_seconds(w)
-    if transfer is None or w.layer_seconds is None:
-        return None
-    return _ratio(transfer * w.world_size, w.layer_seconds.sum(axis=1))
+    return _share_of_layer_time(w, None if transfer is None else transfer * w.world_size)
 
 
 @_once
 def a2a_wait_share(w: Window) -> np.ndarray | None:
     """[L] wait share of layer time, summed over ranks (a2a_share = transfer share + wait share)."""
     wait = a2a_wait_seconds(w)
-    if wait is None or w.layer_seconds is None:
-        return None
-    return _ratio(wait.sum(axis=1), w.layer_seconds.sum(axis=1))
+    return _share_of_layer_time(w, None if wait is None else wait.sum(axis=1))
 
 
 @_once
