@@ -625,7 +625,6 @@ def summarise(w: Window, layers: list[LayerDiagnosis], t: Thresholds) -> dict[st
         slowest = {"rank": rank,
                    "compute_share": _finite(float(compute_by_rank[rank]) / total) if total > 0 else None,
                    "compute_seconds": _finite(float(compute_by_rank[rank]))}
-    speed = tm.rank_speed(w)
     hot_counts = Counter(e for d in layers for e in d.metrics["hot_experts"] or [])
     balanced = tm.balancedness(w)
     steps = w.step_seconds
@@ -636,7 +635,7 @@ def summarise(w: Window, layers: list[LayerDiagnosis], t: Thresholds) -> dict[st
         "worst_layers": [d.layer for d in ranked if d.verdict != HEALTHY or d.overflow][:10],
         "slowest_rank": slowest,
         # Each rank's pairs per second of expert compute, and over the median rank's (None: not timed).
-        "rank_speed": None if speed is None else _rank_speed_section(speed),
+        "rank_speed": None if tm.relative_rank_speed(w) is None else _rank_speed_section(w),
         "hot_experts_across_layers": [{"expert": int(e), "layers": n} for e, n in hot_counts.most_common(10)],
         "balancedness_mean": None if balanced is None else _finite(float(np.mean(balanced))),
         "step_p50_seconds": _finite(float(np.percentile(steps, 50))) if timed else None,
@@ -653,9 +652,7 @@ def summarise(w: Window, layers: list[LayerDiagnosis], t: Thresholds) -> dict[st
     }
 
 
-def _rank_speed_section(speed: np.ndarray) -> dict[str, list[float | None]]:
-    """[W] pairs per compute second -> each rank's rate and its ratio to the median measured rank's."""
-    measured = speed[np.isfinite(speed) & (speed > 0)]
-    median = float(np.median(measured)) if measured.size else 0.0
-    return {"pairs_per_second": [_finite(float(x)) for x in speed],
-            "relative": [_finite(float(x) / median) if median > 0 else None for x in speed]}
+def _rank_speed_section(w: Window) -> dict[str, list[float | None]]:
+    """Each rank's pairs per compute second and its ratio to the median rank's (telemetry)."""
+    return {"pairs_per_second": [_finite(float(x)) for x in tm.rank_speed(w)],
+            "relative": [_finite(float(x)) for x in tm.relative_rank_speed(w)]}
