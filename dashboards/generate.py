@@ -326,6 +326,14 @@ def layer() -> dash_b.Dashboard:
          query(f"max(moewatch_layer_rank_load_max_mean_ratio{{{LAYER_SEL}}})", "max/mean", "B"),
          query(f"max(moewatch_layer_expert_load_cv_ratio{{{LAYER_SEL}}})", "expert std/mean", "C")],
         limit=T.rank_load_cv).min(0)
+    speed = series_panel(
+        "Rank speed and balance by time",
+        f"Each rank's pairs per compute second over the median rank's (the agent counts a rank slow under "
+        f"policy.slow_rank_below, 0.85 by default), and the layer's mean over max of per-rank expert time: a plan "
+        f"made for a slow rank lowers plain balancedness and raises this.", "percentunit",
+        [query(f"max by (rank) (moewatch_rank_relative_speed{{{GROUP_SEL}}})", "rank {{rank}} speed", "A"),
+         query(f"max(moewatch_layer_time_balancedness_ratio{{{LAYER_SEL}}})", "time balancedness", "B")],
+        limit=0.85).min(0)
     expert_heat = (heatmap.Panel().title("Expert load share")
                    .description("How many experts carry each multiple of the layer's mean expert load, per "
                                 "interval: mass above 2x is hot experts, below 0.5x cold ones.")
@@ -377,7 +385,7 @@ def layer() -> dash_b.Dashboard:
     return with_panels(board.variables(variables(with_layer=True)), [
         ("Verdict", [verdict, unhealthy]),
         ("1. All-to-all", [times, share, a2a_p, aurora]),
-        ("2. Load", [rank_load, dispersion, expert_heat]),
+        ("2. Load", [rank_load, dispersion, speed, expert_heat]),
         ("3. Traffic", [cross]),
         ("Capacity", [capacity, overflow, drops]),
     ])

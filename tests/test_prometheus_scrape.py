@@ -173,7 +173,10 @@ def stack(tmp_path, engine_url):
         s.procs["agent"] = start(moewatch("agent", "--socket", str(sock), "--listen", s.agent_addr,
                                           "--log.audit-log", str(tmp_path / "audit.jsonl"),
                                           "--slo.endpoints", f"{MODEL}/{EP_GROUP}={engine_url}",
-                                          "--slo.poll-seconds", "0.5"), tmp_path / "agent.log", tmp_path)
+                                          "--slo.poll-seconds", "0.5",
+                                          # The tiny runtime's windows hold a few hundred pairs per rank: let
+                                          # them measure rank speed, so the speed panel is queried with data.
+                                          "--policy.slow-rank-min-pairs", "10"), tmp_path / "agent.log", tmp_path)
         s.procs["prometheus"] = start(
             ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
              f"--web.listen-address={s.prom_url.removeprefix('http://')}"], tmp_path / "prometheus.log", tmp_path)
