@@ -349,7 +349,7 @@ def step_figures(windows: list[TriagedWindow], events: list[dict[str, Any]], war
     }
 
 
-def old_map_figures(events: list[dict[str, Any]]) -> dict[str, float] | None:
+def old_map_figures(events: list[dict[str, Any]]) -> dict[str, float | None] | None:
     """The agent's control figures: for its verified plans, the changed layers' measured balancedness
     and time per step on the new map, and what the old map gives on the same traffic (means)."""
     numbers = [n for e in events if e["event"] in ("verified", "rollback") for n in (e.get("numbers") or {}).values()]
@@ -357,7 +357,11 @@ def old_map_figures(events: list[dict[str, Any]]) -> dict[str, float] | None:
         return None
     keys = ("balancedness_after", "balancedness_old_map_same_load", "layer_seconds_after",
             "layer_seconds_old_map_same_load")
-    return {k: float(np.mean([n[k] for n in numbers if k in n and n[k] is not None])) for k in keys}
+    out: dict[str, float | None] = {}
+    for k in keys:
+        present = [n[k] for n in numbers if n.get(k) is not None]
+        out[k] = float(np.mean(present)) if present else None  # not measured in any verified layer
+    return out
 
 
 def run_demo(seconds: float = 45.0, ranks: int | None = None, folder: str | None = None,
@@ -457,9 +461,10 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     old = s["old_map_same_traffic"]
     if old is not None:
         lines.append(f"  control             old map on the same traffic (agent's model, changed layers): balancedness "
-                   f"{old['balancedness_old_map_same_load']:.3f} vs {old['balancedness_after']:.3f} measured, "
-                   f"layer time {old['layer_seconds_old_map_same_load'] * 1e3:.1f} vs "
-                   f"{old['layer_seconds_after'] * 1e3:.1f} ms/step")
+                   f"{_fmt(old['balancedness_old_map_same_load'], '', 1, 3)} vs "
+                   f"{_fmt(old['balancedness_after'], '', 1, 3)} measured, layer time "
+                   f"{_fmt(old['layer_seconds_old_map_same_load'], '', 1e3, 1)} vs "
+                   f"{_fmt(old['layer_seconds_after'], ' ms/step', 1e3, 1)}")
     b = s.get("cpu_binding") or {}
     if b.get("warning"):
         lines.append(f"  note                {b['warning']}")

@@ -57,3 +57,17 @@ def test_demo_bad_input_exits_2():
     proc = subprocess.run([sys.executable, "-m", "moewatch.cli", "demo", "--seconds", "1"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "--seconds" in proc.stderr
+
+
+def test_old_map_figures_leave_out_what_no_verified_layer_measured():
+    # A short run on a busy machine can verify a plan whose layers carry no time on the old map: the
+    # summary says n/a for it instead of a NaN that JSON refuses (a fresh-clone run failed so).
+    from moewatch.tools.demo import old_map_figures
+
+    events = [{"event": "verified", "numbers": {"0": {"balancedness_after": 0.9, "balancedness_old_map_same_load": 0.6,
+                                                      "layer_seconds_after": None,
+                                                      "layer_seconds_old_map_same_load": None}}}]
+    figures = old_map_figures(events)
+    assert figures == {"balancedness_after": 0.9, "balancedness_old_map_same_load": 0.6,
+                       "layer_seconds_after": None, "layer_seconds_old_map_same_load": None}
+    assert old_map_figures([]) is None
