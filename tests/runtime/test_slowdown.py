@@ -197,5 +197,8 @@ def test_the_live_file_slows_a_rank_mid_run_then_lets_it_go(tmp_path, fake_agent
     ratios = [r[1] / r[0] for r in (_compute_by_rank([w], skip=0) for w in result.windows)]
     before, during, after = ratios[:2], ratios[changes[0] + 1:changes[1]], ratios[changes[1] + 1:]
     assert max(before) < 1.6, ratios
-    assert max(during) > 0.6 * factor, ratios
+    # Against the same run's own ratio before the file: the two ranks' compute differs a little even
+    # unslowed (0.8-0.9 in a fresh-clone run on busy cores), and that offset is not the slowdown's.
+    baseline = float(np.median(before))
+    assert max(during) / baseline > 0.6 * factor, ratios
     assert min(after[-2:]) < 1.6 and max(after[-2:]) < 1.6, ratios
