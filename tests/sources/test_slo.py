@@ -27,6 +27,7 @@ from moewatch.thresholds import ConfigError
 from moewatch.triage import diagnose
 
 VLLM_FIXTURE = Path(__file__).parent / "fixtures" / "slo" / "vllm_metrics.prom"
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 INF = math.inf
 
 
@@ -239,3 +240,18 @@ def test_diagnose_prints_the_slo_section_from_a_saved_scrape(tmp_path):
     assert [b["slo"] for b in section["breached"]] == ["ttft_p99"]
     bad = CliRunner().invoke(main, ["diagnose", str(path), "--engine-metrics", str(tmp_path / "none.prom")])
     assert bad.exit_code == 2 and "--engine-metrics" in bad.output
+
+
+def test_the_vllm_fixture_is_what_its_generator_writes_with_the_installed_vllm(tmp_path):
+    # The fixture's buckets are read from vLLM's own file: a vLLM upgrade that changes them fails here.
+    import subprocess
+
+    assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment"
+    out = tmp_path / "vllm_metrics.prom"
+    subprocess.run([str(VLLM_PYTHON), str(VLLM_FIXTURE.with_name("make_vllm_metrics.py")), str(out)], check=True,
+                   capture_output=True, timeout=120)
+
+    def content(text: str) -> list[str]:  # `_created` samples are the wall time the generator ran
+        return [line for line in text.splitlines() if "_created{" not in line]
+
+    assert content(out.read_text()) == content(VLLM_FIXTURE.read_text())
