@@ -48,21 +48,16 @@ def wait_until(check, seconds: float) -> bool:
 
 
 def tiny_model(folder: Path) -> None:
-    import torch
     import transformers
+
+    from moewatch.tools.bench.vllm import save_random_moe
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     # head_dim 64: vLLM's CPU attention takes no 16
     config = transformers.MixtralConfig(vocab_size=256, hidden_size=256, intermediate_size=128, num_hidden_layers=3,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                         num_local_experts=8, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".gate.weight"):
-                param.normal_(0.0, 1.0)
-    model.save_pretrained(folder)
+    save_random_moe(config, folder, seed=0)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -30,16 +30,13 @@ from moewatch.cli_contract import OneLineCommand
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 
 
-def save_tiny_model(folder: str, seed: int = 0, layers: int = 4, experts: int = 16) -> None:
-    """A small Qwen3-MoE with random weights (distinct per layer), saved by transformers."""
+def save_random_moe(config, folder, seed: int = 0) -> None:
+    """A transformers MoE model built from `config` with random weights, saved to `folder`. The router
+    gates get unit-normal weights so that routing spreads over the experts (the default init routes
+    almost uniformly); the same seed gives the same model."""
     import torch
     import transformers
 
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, num_experts=experts,
-        num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
-        norm_topk_prob=True, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -47,6 +44,18 @@ def save_tiny_model(folder: str, seed: int = 0, layers: int = 4, experts: int = 
             if name.endswith(".gate.weight"):
                 param.normal_(0.0, 1.0)
     model.save_pretrained(folder)
+
+
+def save_tiny_model(folder: str, seed: int = 0, layers: int = 4, experts: int = 16) -> None:
+    """A small Qwen3-MoE with random weights (distinct per layer), saved by transformers."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, num_experts=experts,
+        num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, tie_word_embeddings=False)
+    save_random_moe(config, folder, seed)
 
 
 def recorder_seconds_per_step(layers: int = 4, experts: int = 16, top_k: int = 2, tokens: int = 64,

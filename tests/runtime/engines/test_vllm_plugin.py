@@ -28,6 +28,7 @@ import torch
 import transformers
 
 from moewatch.telemetry import Window
+from moewatch.tools.bench.vllm import save_random_moe
 
 REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -44,13 +45,7 @@ def tiny_model(tmp_path_factory):
         num_key_value_heads=1, head_dim=64, max_position_embeddings=256, num_experts=EXPERTS,
         num_experts_per_tok=TOP_K, moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
         norm_topk_prob=True, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".gate.weight"):
-                param.normal_(0.0, 1.0)
-    model.save_pretrained(folder / "model")
+    save_random_moe(config, folder / "model", seed=0)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 33, 9, 24, 2)]
     (folder / "prompts.json").write_text(json.dumps(prompts))
