@@ -242,6 +242,10 @@ class PolicySettings:
                                         "median rank's) must stay under slow_rank_below to count as slow, or above "
                                         "slow_rank_recover_above to recover; also the span of its median",
                                      kind=int, lo=1, hi=10_000)
+    slow_rank_min_seconds: float = setting(10.0, "wall seconds those slow_rank_windows windows in a row must span "
+                                                 "at least, for a rank to count as slow or as recovered (a "
+                                                 "slowdown shorter than this moves no weights)", kind=float, lo=0,
+                                           hi=86_400)
     slow_rank_min_pairs: int = setting(1000, "a window measures a rank's speed only when the rank computed at least "
                                              "this many pairs in it (all layers)", kind=int, lo=1, hi=1 << 40)
     slow_rank_below: float = setting(0.85, "relative speed under which a rank counts as slow; plans are then made "

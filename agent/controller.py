@@ -381,7 +381,8 @@ class Controller:
         if speed is None or load is None:
             return  # a window without compute times or rank counts measures no speed
         params = self.params.rank_speed
-        ctl.speeds, change = rank_speed.observe(ctl.speeds, speed, load.sum(axis=0), params)
+        ctl.speeds, change = rank_speed.observe(ctl.speeds, speed, load.sum(axis=0),
+                                                 window.end_time - window.start_time, params)
         record_rank_speed(self.metrics, group.key, ctl.speeds)
         relative, rate = ctl.speeds.relative_speed, ctl.speeds.pairs_per_second
         for event, ranks, threshold in (("rank_slow", change.became_slow, params.slow_below),
@@ -389,7 +390,8 @@ class Controller:
             for rank in ranks:
                 self._record(group, event, rank=rank, relative_speed=round(float(relative[rank]), 4),
                              pairs_per_second=round(float(rate[rank]), 1), threshold=threshold,
-                             windows=params.windows, slow_ranks=list(ctl.speeds.slow_ranks),
+                             windows=params.windows, min_seconds=params.min_seconds,
+                             slow_ranks=list(ctl.speeds.slow_ranks),
                              epoch_in_force=window.epoch)
 
     def status(self, key: tuple[str, str]) -> dict[str, Any]:

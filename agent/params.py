@@ -44,7 +44,8 @@ def verify_params(cfg: AgentConfig) -> VerifyParams:
 
 def rank_speed_params(cfg: AgentConfig) -> RankSpeedParams:
     p = cfg.policy
-    return RankSpeedParams(windows=p.slow_rank_windows, min_pairs=p.slow_rank_min_pairs,
+    return RankSpeedParams(windows=p.slow_rank_windows, min_seconds=p.slow_rank_min_seconds,
+                           min_pairs=p.slow_rank_min_pairs,
                            slow_below=p.slow_rank_below, recover_above=p.slow_rank_recover_above,
                            replan_change=p.slow_rank_replan_change)
 

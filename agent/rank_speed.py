@@ -14,11 +14,20 @@ window where the rank computed fewer than `min_pairs` pairs measures nothing for
 pairs give a noisy rate). Over the last `windows` (K) windows:
 - measured relative speed = the median of the rank's measured values (noise in one window cannot
   move it);
-- a rank becomes slow when each of its last K values was measured and under `slow_below`;
-- a slow rank recovers when each of its last K values was measured and above `recover_above`
-  (hysteresis: between the two thresholds a rank keeps its state, so a rank hovering near one
-  threshold does not flap between plans).
-A rank that is not measured (it computed too little) keeps its state.
+- a rank becomes slow when each of its last K values was measured and under `slow_below`, and its
+  measured relative speed has stayed under `recover_above` (never fast) for at least `min_seconds`
+  of windows in a row;
+- a slow rank recovers when each of its last K values was measured and above `recover_above`, and its
+  measured relative speed has stayed over `slow_below` (never slow) for at least `min_seconds` of
+  windows in a row.
+Hysteresis: between the two thresholds a rank keeps its state, so a rank hovering near one threshold
+does not flap between plans, and a speed between them neither breaks a run nor ends it. A rank that
+is not measured (it computed too little) keeps its state, and its runs start again.
+
+Why a floor in seconds as well as windows: a window can be a tenth of a second (a few steps), and
+other work on a shared host slows one rank's core for about that long all the time. Moving expert
+weights for it costs a stall and buys nothing once the other work has moved on; a device that is
+really slow stays slow for minutes.
 
 Shapes: W ranks, n <= K windows kept.
 """
@@ -35,6 +44,7 @@ class RankSpeedParams:
     """The thresholds (the `policy.slow_rank_*` settings), built once by params.from_config."""
 
     windows: int = 3  # K: the median's span, and how many windows a state change must persist
+    min_seconds: float = 10.0  # ...and how much wall time those windows must span at least
     min_pairs: int = 1000  # a window measures a rank's speed only if it computed at least this many pairs
     slow_below: float = 0.85  # relative speed under which a rank counts towards slow
     recover_above: float = 0.95  # relative speed above which a slow rank counts towards recovered
@@ -50,6 +60,9 @@ class RankSpeedState:
     relative_history: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [n, W], NaN: not measured
     speed_history: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [n, W] pairs per second
     slow: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # [W]
+    # [2, W] wall seconds of the windows in a row in which each rank was measured under recover_above
+    # (row 0: on its way to slow) and over slow_below (row 1: on its way to recovered).
+    run_seconds: np.ndarray = field(default_factory=lambda: np.zeros((2, 0)))
 
     @property
     def world_size(self) -> int:
@@ -92,28 +105,36 @@ def relative_speeds(speed: np.ndarray, pairs: np.ndarray, min_pairs: int) -> np.
     return out
 
 
-def observe(state: RankSpeedState, speed: np.ndarray, pairs: np.ndarray, params: RankSpeedParams
-            ) -> tuple[RankSpeedState, RankSpeedChange]:
-    """Fold one window into the state: speed [W] (pairs per compute second), pairs [W] (pairs computed)
-    -> (the new state, the ranks whose state changed). A window of another world size starts afresh."""
+def observe(state: RankSpeedState, speed: np.ndarray, pairs: np.ndarray, seconds: float,
+            params: RankSpeedParams) -> tuple[RankSpeedState, RankSpeedChange]:
+    """Fold one window into the state: speed [W] (pairs per compute second), pairs [W] (pairs computed),
+    seconds (the window's wall time) -> (the new state, the ranks whose state changed). A window of
+    another world size starts afresh."""
     speed = np.asarray(speed, dtype=np.float64)
     W = speed.shape[0]
     if state.world_size != W:
-        state = RankSpeedState(np.zeros((0, W)), np.zeros((0, W)), np.zeros(W, dtype=bool))
+        state = RankSpeedState(np.zeros((0, W)), np.zeros((0, W)), np.zeros(W, dtype=bool), np.zeros((2, W)))
     relative = relative_speeds(speed, pairs, params.min_pairs)
     measured_speed = np.where(np.isfinite(relative), speed, np.nan)
     k = params.windows
     history = np.vstack([state.relative_history, relative[None, :]])[-k:]
     speeds = np.vstack([state.speed_history, measured_speed[None, :]])[-k:]
+    # The runs follow the median over K windows (one noisy window neither breaks nor makes one); NaN
+    # compares False both ways, so an unmeasured window breaks both.
+    median = np.where(np.isfinite(relative), _nanmedian_columns(history, W), np.nan)
+    in_run = np.stack([median < params.recover_above, median > params.slow_below])
+    run_seconds = np.where(in_run, state.run_seconds + max(float(seconds), 0.0), 0.0)
     slow = state.slow.copy()
     if history.shape[0] == k:
         measured_all = np.isfinite(history).all(axis=0)
         under = measured_all & (np.where(np.isfinite(history), history, np.inf) < params.slow_below).all(axis=0)
         over = measured_all & (np.where(np.isfinite(history), history, -np.inf) > params.recover_above).all(axis=0)
+        under &= run_seconds[0] >= params.min_seconds
+        over &= run_seconds[1] >= params.min_seconds
         slow = np.where(slow, ~over, under)
     change = RankSpeedChange(tuple(int(r) for r in np.flatnonzero(slow & ~state.slow)),
                              tuple(int(r) for r in np.flatnonzero(state.slow & ~slow)))
-    return RankSpeedState(history, speeds, slow), change
+    return RankSpeedState(history, speeds, slow, run_seconds), change
 
 
 def planning_speeds(state: RankSpeedState) -> np.ndarray | None:

@@ -3,7 +3,12 @@ speaks moewatch.wire, and a running agent on temporary paths."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -158,8 +163,13 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: flo
 
 
 def wait_group(daemon, key=("m", "g"), timeout: float = 10.0):
-    """The daemon's store for a group, once its hello has been handled."""
-    assert wait_for(lambda: daemon.store.get(key) is not None, timeout), f"no hello from {key}"
+    """The daemon's store for a group, once its hello has been handled. The store holds the group a
+    moment before the daemon has registered the connection; the group's connection id is set last."""
+    def handled():
+        group = daemon.store.get(key)
+        return group is not None and group.connection_id is not None
+
+    assert wait_for(handled, timeout), f"no hello from {key}"
     return daemon.store.get(key)
 
 
@@ -186,6 +196,30 @@ def sample_value(exposition: str, name: str, **labels: str) -> float | None:
     return None
 
 
+def start_runtime(socket_path: str, *args: str) -> subprocess.Popen:
+    """The reference runtime launcher in its own session, sending to the agent at socket_path."""
+    return subprocess.Popen([sys.executable, "-m", "moewatch.cli", "runtime", "--socket", socket_path, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def stop_runtime(runtime: subprocess.Popen) -> dict:
+    """Stop a runtime from start_runtime (SIGINT to its session: the launcher stops its ranks and
+    prints its result) -> that result, the last line of its output."""
+    if runtime.poll() is None:
+        os.killpg(runtime.pid, signal.SIGINT)
+    out, _ = runtime.communicate(timeout=60)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def audit_trail(audit_log: str) -> str:
+    """An audit log as lines, one per record (time, event, epoch, reason or result, relative speed):
+    for an assertion's message, which pytest prints whole as a str and cuts as a list."""
+    from moewatch.agent.audit import read_audit
+
+    return "\n".join(f"{r['time']:.2f} {r['event']} epoch={r.get('epoch')} {r.get('reason') or r.get('result') or ''} "
+                     f"{r.get('relative_speed', '')}" for r in read_audit(audit_log))
+
+
 @pytest.fixture
 def helpers():
     """The module-level helpers (importlib mode keeps test modules from importing conftest)."""
@@ -193,7 +227,8 @@ def helpers():
 
     return types.SimpleNamespace(make_window=make_window, hot_load=hot_load, contiguous=contiguous,
                                  FakeRuntime=FakeRuntime, wait_for=wait_for, wait_group=wait_group, scrape=scrape,
-                                 sample_value=sample_value, sglang_settings=sglang_settings)
+                                 sample_value=sample_value, sglang_settings=sglang_settings,
+                                 start_runtime=start_runtime, stop_runtime=stop_runtime, audit_trail=audit_trail)
 
 
 @pytest.fixture

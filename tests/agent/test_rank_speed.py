@@ -15,15 +15,17 @@ from moewatch.planner import placement_math as pm
 from moewatch.thresholds import ConfigError
 from moewatch.triage import diagnose
 
-PARAMS = rs.RankSpeedParams(windows=3, min_pairs=100, slow_below=0.85, recover_above=0.95)
+# No floor in seconds here: these tests count windows; the floor has its own test.
+PARAMS = rs.RankSpeedParams(windows=3, min_seconds=0.0, min_pairs=100, slow_below=0.85, recover_above=0.95)
 
 
-def fold(speeds, pairs=1000, params=PARAMS):
-    """Windows of per-rank speeds [n][W] (pairs per compute second) -> (final state, each window's change)."""
+def fold(speeds, pairs=1000, params=PARAMS, seconds=1.0):
+    """Windows of per-rank speeds [n][W] (pairs per compute second), each `seconds` long -> (final state,
+    each window's change)."""
     state, changes = rs.RankSpeedState(), []
     for i, speed in enumerate(speeds):
         count = np.full(len(speed), pairs) if np.isscalar(pairs) else np.asarray(pairs[i])
-        state, change = rs.observe(state, np.asarray(speed, dtype=float), count, params)
+        state, change = rs.observe(state, np.asarray(speed, dtype=float), count, seconds, params)
         changes.append(change)
     return state, changes
 
@@ -54,6 +56,30 @@ def test_a_rank_is_slow_only_after_k_consecutive_slow_windows():
     # One fast window breaks the run: K in a row, not K of the last few.
     state, changes = fold([slow, slow, [100.0] * 4, slow, slow])
     assert not state.slow.any() and transitions(changes) == []
+
+
+def test_a_state_change_also_needs_min_seconds_of_windows_in_a_row():
+    """Eighth-of-a-second windows: K of them are not enough; the rank turns slow on the window that
+    brings its run to min_seconds. The run follows the median over K windows: two fast windows in a
+    row restart the clock, one fast window or one between the thresholds does not; recovery waits as
+    long."""
+    params = rs.RankSpeedParams(windows=3, min_seconds=2.5, min_pairs=100, slow_below=0.85, recover_above=0.95)
+    slow, between, fast = [100.0, 50.0], [100.0, 90.0], [100.0, 100.0]
+
+    def changes_of(speeds, seconds=0.125):
+        return transitions(fold(speeds, params=params, seconds=seconds)[1])
+
+    assert changes_of([slow] * 19) == []
+    assert changes_of([slow] * 20) == [(19, "slow", 1)]
+    assert changes_of([slow] * 15 + [fast] * 2 + [slow] * 20) == []
+    assert changes_of([slow] * 15 + [fast] * 2 + [slow] * 21) == [(37, "slow", 1)]
+    assert changes_of([slow] * 15 + [fast] + [slow] * 4) == [(19, "slow", 1)]
+    assert changes_of([slow] * 10 + [between] + [slow] * 9) == [(19, "slow", 1)]
+    # Back: the median turns fast on the second fast window, and the run counts from there.
+    assert changes_of([slow] * 20 + [fast] * 10 + [between] + [fast] * 10) == [(19, "slow", 1), (40, "recovered", 1)]
+    assert changes_of([slow] * 20 + [fast] * 10 + [slow] * 2 + [fast] * 21) == [(19, "slow", 1), (52, "recovered", 1)]
+    # Long windows: K of them span the floor, and K is what counts again.
+    assert changes_of([slow] * 3, seconds=1.0) == [(2, "slow", 1)]
 
 
 def test_the_median_over_k_windows_shrugs_off_one_noisy_window():
@@ -95,14 +121,14 @@ def test_an_unmeasured_rank_keeps_its_state_and_plans_as_typical():
 
 def test_a_new_world_size_starts_afresh():
     state, _ = fold([[100.0, 50.0]] * 3)
-    state, change = rs.observe(state, np.array([100.0, 100.0, 100.0]), np.full(3, 1000), PARAMS)
+    state, change = rs.observe(state, np.array([100.0, 100.0, 100.0]), np.full(3, 1000), 1.0, PARAMS)
     assert state.world_size == 3 and not state.slow.any() and change.recovered == ()
 
 
 def test_the_thresholds_are_configuration_checked_once():
     cfg = AgentConfig.from_mapping(policy={"slow_rank_windows": 4, "slow_rank_min_pairs": 10,
                                            "slow_rank_below": 0.8, "slow_rank_recover_above": 0.9})
-    assert from_config(cfg).rank_speed == rs.RankSpeedParams(windows=4, min_pairs=10, slow_below=0.8,
+    assert from_config(cfg).rank_speed == rs.RankSpeedParams(windows=4, min_seconds=10.0, min_pairs=10, slow_below=0.8,
                                                              recover_above=0.9, replan_change=0.25)
     with pytest.raises(ConfigError, match=r"^policy\.slow_rank_below: 0\.95 must be under"):
         AgentConfig.from_mapping(policy={"slow_rank_below": 0.95, "slow_rank_recover_above": 0.9})
@@ -152,7 +178,7 @@ def test_the_windows_measure_what_the_estimator_needs(helpers):
     from moewatch import telemetry as tm
 
     w = windows(helpers, helpers.contiguous(L, E, P), 1)[0].window
-    state, _ = rs.observe(rs.RankSpeedState(), tm.rank_speed(w), tm.rank_load(w).sum(axis=0), PARAMS)
+    state, _ = rs.observe(rs.RankSpeedState(), tm.rank_speed(w), tm.rank_load(w).sum(axis=0), 1.0, PARAMS)
     assert state.relative_speed == pytest.approx(SPEEDS)
 
 
@@ -258,7 +284,8 @@ def test_the_controller_plans_with_speeds_only_for_a_persistently_slow_rank(star
         return current.copy()
 
     monkeypatch.setattr(policy, "proposed_placement", planner)
-    daemon = start_agent(policy={"mode": "act", "persist_windows": 2, "slow_rank_windows": 3})
+    daemon = start_agent(policy={"mode": "act", "persist_windows": 2, "slow_rank_windows": 3,
+                                 "slow_rank_min_seconds": 0})
     rt = helpers.FakeRuntime(daemon.cfg.server.socket, world_size=W).connect()
     group = helpers.wait_group(daemon)
     pmap = helpers.contiguous(L, E, P)
