@@ -20,7 +20,7 @@ from .kernels import grouped_swiglu
 from .model import ModelSpec, combine_pairs, init_experts, init_router, rms_norm, route_layer
 from .placement import ReplicaTable, replica_table
 from .probe import Mark, Probe
-from .slowdown import run_slowed
+from .slowdown import run_slowed, start_factor
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,7 +62,7 @@ class EPEngine:
         self.expert_compute = grouped_swiglu(cfg.kernel)
         # Emulated slow device (runtime/slowdown.py): expert compute takes this many times as long.
         # The step loop updates it at step boundaries; the outputs never change with it.
-        self.slow_factor = float(cfg.slow_factor) if cfg.slow_rank == rank else 1.0
+        self.slow_factor = start_factor(rank, cfg.slow_rank, cfg.slow_factor)
         self.routers = [init_router(self.spec, layer).to(self.device, self.dtype) for layer in range(cfg.layers)]
         self.capacity = np.full(cfg.layers, float(cfg.capacity_factor))
         self.epoch = 0

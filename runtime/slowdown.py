@@ -72,13 +72,18 @@ def read_slowdown(path: str | os.PathLike) -> dict[int, float]:
     return out
 
 
+def start_factor(rank: int, slow_rank: int | None, slow_factor: float) -> float:
+    """The factor `rank` starts at: slow_factor on the slow rank, 1.0 elsewhere."""
+    return float(slow_factor) if slow_rank == rank else 1.0
+
+
 class Slowdown:
     """The factor one rank runs at, with the live file folded in at step boundaries (`refresh`)."""
 
     def __init__(self, rank: int, slow_rank: int | None = None, slow_factor: float = 1.0,
                  path: str | None = None):
         self.rank = rank
-        self.start_factor = float(slow_factor) if slow_rank == rank else 1.0
+        self.start_factor = start_factor(rank, slow_rank, slow_factor)
         self.path = path
         self.factor = self.start_factor
         self._seen: tuple | None = None  # (inode, size, mtime_ns) of the file last looked at; () when absent

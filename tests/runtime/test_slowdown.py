@@ -161,14 +161,24 @@ def _compute_by_rank(windows: list[dict], skip: int = 1) -> np.ndarray:
     return seconds / pairs
 
 
+def _least_compute_by_rank(windows: list[dict], skip: int = 1) -> np.ndarray:
+    """[W] the least compute seconds per pair any one window after `skip` measured, per rank: other
+    work on shared cores only ever adds time, so the least window is the run's own cost."""
+    return np.min([_compute_by_rank([w], skip=0) for w in windows[skip:]], axis=0)
+
+
 @pytest.mark.slow
 def test_the_slow_rank_computes_about_factor_times_as_long_and_the_other_is_not_slowed():
     factor = 3.0
-    base = _compute_by_rank(launch(RuntimeConfig(steps=20, **SIZES)).windows)
-    slowed = _compute_by_rank(launch(RuntimeConfig(steps=20, slow_rank=1, slow_factor=factor, **SIZES)).windows)
+    base_run = launch(RuntimeConfig(steps=40, **SIZES)).windows
+    slowed_run = launch(RuntimeConfig(steps=40, slow_rank=1, slow_factor=factor, **SIZES)).windows
+    base, slowed = _compute_by_rank(base_run), _compute_by_rank(slowed_run)
     assert 0.6 < base[1] / base[0] < 1.6  # the same work takes about the same time on either rank
     assert slowed[1] / slowed[0] > 0.6 * factor
-    assert slowed[0] < 1.6 * base[0]  # the fast rank is not slowed
+    # Across two runs, not within one: a CI run measured the fast rank's summed time 1.6 times its
+    # unslowed run's, from other work on the two cores; its least window is what the slowdown sets.
+    fast_slowed, fast_base = _least_compute_by_rank(slowed_run)[0], _least_compute_by_rank(base_run)[0]
+    assert fast_slowed < 1.6 * fast_base, (fast_slowed, fast_base)  # the fast rank is not slowed
 
 
 @pytest.mark.slow
@@ -196,9 +206,12 @@ def test_the_live_file_slows_a_rank_mid_run_then_lets_it_go(tmp_path, fake_agent
     assert len(changes) == 3, f"the run ended after {len(result.windows)} windows"
     ratios = [r[1] / r[0] for r in (_compute_by_rank([w], skip=0) for w in result.windows)]
     before, during, after = ratios[:2], ratios[changes[0] + 1:changes[1]], ratios[changes[1] + 1:]
-    assert max(before) < 1.6, ratios
+    # One window's ratio on two shared cores wanders (1.67 unslowed in a fresh-clone run): unslowed
+    # and slowed windows are told apart at the geometric midpoint of 1 and the factor.
+    unslowed = factor ** 0.5
+    assert max(before) < unslowed, ratios
     # Against the same run's own ratio before the file: the two ranks' compute differs a little even
     # unslowed (0.8-0.9 in a fresh-clone run on busy cores), and that offset is not the slowdown's.
     baseline = float(np.median(before))
     assert max(during) / baseline > 0.6 * factor, ratios
-    assert min(after[-2:]) < 1.6 and max(after[-2:]) < 1.6, ratios
+    assert max(after[-2:]) < unslowed, ratios
