@@ -88,16 +88,24 @@ def migration_seconds(old_row: np.ndarray, new_row: np.ndarray, world_size: int,
     A changed slot is filled from a holder of its new expert under the old placement: on its own
     node when there is one (the fast link, a copy on the same rank included), else across nodes at
     the slower inter-node bandwidth. Transfers are summed (a conservative, serial estimate)."""
-    old_row, new_row = np.asarray(old_row), np.asarray(new_row)
-    P = old_row.shape[0]
+    return float(layer_migration_seconds(np.asarray(old_row)[None], np.asarray(new_row)[None], world_size,
+                                         ranks_per_node, expert_bytes, intra_bytes_per_second,
+                                         inter_bytes_per_second)[0])
+
+
+def layer_migration_seconds(old: np.ndarray, new: np.ndarray, world_size: int, ranks_per_node: int,
+                            expert_bytes: float, intra_bytes_per_second: float,
+                            inter_bytes_per_second: float) -> np.ndarray:
+    """[L, P] placements before and after -> [L] seconds to fill each layer's changed slots, as
+    migration_seconds prices one layer."""
+    old, new = np.asarray(old), np.asarray(new)
+    L, P = old.shape
     node = node_of_rank(world_size, ranks_per_node)
     slot_node = node[np.arange(P) // (P // world_size)]
-    changed = np.flatnonzero(old_row != new_row)
-    if changed.size == 0:
-        return 0.0
     nodes = int(node.max()) + 1
-    held = np.zeros((int(max(old_row.max(), new_row.max())) + 1, nodes), dtype=bool)  # [expert, node]
-    held[old_row, slot_node] = True
-    near = held[new_row[changed], slot_node[changed]]  # [changed] a holder on the slot's own node
+    experts = int(max(old.max(), new.max())) + 1
+    held = np.zeros((L, experts, nodes), dtype=bool)  # [layer, expert, node] under the old placement
+    held[np.arange(L)[:, None], old, slot_node[None, :]] = True
+    near = held[np.arange(L)[:, None], new, slot_node[None, :]]  # [L, P] a holder on the slot's node
     per_slot = np.where(near, expert_bytes / intra_bytes_per_second, expert_bytes / inter_bytes_per_second)
-    return float(per_slot.sum())
+    return np.where(old != new, per_slot, 0.0).sum(axis=1)
