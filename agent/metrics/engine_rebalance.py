@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from moewatch.planner.rebalance import OUTCOMES as DECISION_OUTCOMES
 from moewatch.telemetry import Window
 
 from .family import GROUP, Counter, Gauge, families_of
@@ -20,7 +21,8 @@ CALLS_TOTAL = Counter(
     "engine's own algorithm (result fallback).")
 LAYERS_TOTAL = Counter(
     "moewatch_engine_rebalance_layers_total", (*GROUP, "outcome"),
-    "Layers per engine rebalance by outcome (moved, placed, kept_no_better, kept_not_paying, kept_idle).")
+    "Layers per engine rebalance by outcome (moved, moved_less, placed, kept_no_better, kept_not_paying, "
+    "kept_idle).")
 EXPERTS_MOVED_TOTAL = Counter(
     "moewatch_engine_rebalance_experts_moved_total", GROUP,
     "Slots whose expert the engine's rebalances changed, as moewatch's policy decided.")
@@ -44,7 +46,7 @@ LAYERS_WORSE_TOTAL = Counter(
 
 FAMILIES = families_of(globals())
 
-OUTCOMES = ("moved", "placed", "kept_no_better", "kept_not_paying", "kept_idle")
+OUTCOMES = tuple(DECISION_OUTCOMES.values())  # the planner's names: a bounded label set
 VERDICTS = ("worse", "not_worse")
 
 

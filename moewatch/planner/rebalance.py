@@ -1,5 +1,5 @@
-"""One engine rebalance, decided by moewatch: the planner's minimal-movement placement, then a cost
-gate per layer. The engines' own live rebalancing (vLLM's EPLB policy, SGLang's eplb algorithm) call
+"""One engine rebalance, decided by moewatch: the placement in force mended in place (incremental.py),
+then a cost gate per layer. The engines' own live rebalancing (vLLM's EPLB policy, SGLang's eplb algorithm) call
 this through their adapters under runtime/engines/; nothing here touches an engine.
 
 Every rank of an engine runs its policy on the same all-reduced load and nothing is broadcast, so the
@@ -13,7 +13,9 @@ The gate keeps a layer's current row unless the predicted gain pays for that lay
 - stall: each slot that changes loads its expert's bytes, over the link inside a node when a holder
   of that expert is on the slot's node, else over the slower link between nodes (as the agent's
   policy prices a plan: topology.migration_seconds);
-- a layer moves when gain > gain_margin x stall and its balancedness rises by min_balancedness_gain.
+- a layer moves when gain > gain_margin x stall and its balancedness rises by min_balancedness_gain;
+- a layer whose full mending does not pay tries shorter ones (looser tolerances, SHORTER_TOLERANCES)
+  and takes the one with the most gain over its stall, when one pays ("moved less far").
 
 Sizes: L layers, E logical experts, P physical slots, W GPUs (ranks), N nodes.
 """
@@ -33,6 +35,7 @@ from .. import topology
 from .cost import CostModel
 from ..checks import is_valid_placement
 from .placement_math import contiguous_placement, gpu_load, placement_balancedness
+from .incremental import repair_placement
 from .solve import solve_placement
 
 SWITCH = "MOEWATCH_EPLB"  # one variable turns moewatch's policy on in vLLM and in SGLang
@@ -40,13 +43,20 @@ ENV_PREFIX = "MOEWATCH_EPLB_"
 
 # Why a layer's row is what it is (one per layer in a decision).
 MOVED = "moved"
+MOVED_LESS = "moved less far: the full mending does not pay for its stall, a looser one does"
 KEPT_BALANCED = "kept: no placement better by min_balancedness_gain"
 KEPT_NOT_PAYING = "kept: the predicted gain does not pay for the stall"
 KEPT_IDLE = "kept: no load"
 FRESH = "placed: no usable current placement (first call or a changed slot count)"
 # Short names of the reasons, for metric labels and counts in a record.
-OUTCOMES = {MOVED: "moved", FRESH: "placed", KEPT_BALANCED: "kept_no_better", KEPT_NOT_PAYING: "kept_not_paying",
-            KEPT_IDLE: "kept_idle"}
+OUTCOMES = {MOVED: "moved", MOVED_LESS: "moved_less", FRESH: "placed", KEPT_BALANCED: "kept_no_better",
+            KEPT_NOT_PAYING: "kept_not_paying", KEPT_IDLE: "kept_idle"}
+
+
+# Looser tolerances tried, per layer, when the full mending does not pay for its stall.
+SHORTER_TOLERANCES = (0.02, 0.05, 0.1)
+# A layer the mending leaves this far under its target balancedness is solved in full (slower).
+FULL_SOLVE_BELOW = 0.02
 
 
 def switched_on(environ: Mapping[str, str]) -> bool:
@@ -67,9 +77,9 @@ class RebalanceSettings:
     inter_node_bytes_per_second: float = 2.2e10
     gain_margin: float = 1.0
     min_balancedness_gain: float = 0.0
-    # The planner may stop this share below its best balancedness to move less: on a drifting load at
-    # 61 x 256 (320 slots, 64 ranks) 0.02 moved a quarter fewer slots than 0.005 for 0.98 against 0.985.
-    tolerance: float = 0.02
+    # The planner stops once a layer's busiest GPU is within this share of the least any placement
+    # can give it (incremental.py): moving fewer weights for a little balance.
+    tolerance: float = 0.005
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "RebalanceSettings":
@@ -119,7 +129,7 @@ class RebalanceDecision:
         for layer, reason in enumerate(self.reasons):
             by_reason.setdefault(reason, []).append(layer)
         before = None if self.balancedness_before is None else float(self.balancedness_before.mean())
-        moved = self.reasons.count(MOVED) + self.reasons.count(FRESH)
+        moved = sum(self.reasons.count(reason) for reason in (MOVED, MOVED_LESS, FRESH))
         return {
             "layers_moved": moved,
             "layers_kept": len(self.reasons) - moved,
@@ -135,7 +145,7 @@ class RebalanceDecision:
         }
 
     def _moved_mask(self) -> np.ndarray:
-        return np.array([r in (MOVED, FRESH) for r in self.reasons], dtype=bool)
+        return np.array([r in (MOVED, MOVED_LESS, FRESH) for r in self.reasons], dtype=bool)
 
 
 def usable_current(current: Any, num_layers: int, num_experts: int, num_slots: int,
@@ -174,9 +184,7 @@ def gated_rebalance(load: Any, num_slots: int, num_gpus: int, num_nodes: int = 1
         return RebalanceDecision(pmap, reasons, ones if cur is not None else None, ones, ones,
                                  np.zeros(L, dtype=np.int64) if cur is not None else np.full(L, P), zeros, zeros,
                                  time.perf_counter() - started)
-    proposal = solve_placement(load_arr, W, P, N, current=cur, tolerance=settings.tolerance)
-    proposed = proposal.physical_to_logical_map.astype(np.int64)
-    bal_proposed = proposal.balancedness_after
+    proposed, bal_proposed = propose(load_arr, cur, P, W, N, settings.tolerance)
     if cur is None:
         return RebalanceDecision(proposed, (FRESH,) * L, None, bal_proposed, bal_proposed, np.full(L, P),
                                  np.zeros(L), np.zeros(L), time.perf_counter() - started)
@@ -195,8 +203,66 @@ def gated_rebalance(load: Any, num_slots: int, num_gpus: int, num_nodes: int = 1
             reasons.append(MOVED)
     take = np.array([r == MOVED for r in reasons], dtype=bool)
     pmap = np.where(take[:, None], proposed, cur)
-    return RebalanceDecision(pmap, tuple(reasons), bal_before, np.where(take, bal_proposed, bal_before),
-                             bal_proposed, np.where(take, moved, 0), gain, stall, time.perf_counter() - started)
+    bal_after = np.where(take, bal_proposed, bal_before)
+    moved_after = np.where(take, moved, 0)
+    unpaid = np.array([r == KEPT_NOT_PAYING for r in reasons], dtype=bool)
+    if unpaid.any():
+        # A layer whose full mending costs more than it gains may still pay for a shorter one.
+        layers = np.flatnonzero(unpaid)
+        for layer, row, bal, layer_gain, layer_stall in _shorter_mendings_that_pay(load_arr, cur, layers, bal_before,
+                                                                                 W, N, settings):
+            reasons[layer] = MOVED_LESS
+            pmap[layer] = row
+            bal_after[layer] = bal
+            moved_after[layer] = int((row != cur[layer]).sum())
+            gain[layer], stall[layer] = layer_gain, layer_stall
+    return RebalanceDecision(pmap, tuple(reasons), bal_before, bal_after, bal_proposed, moved_after, gain, stall,
+                             time.perf_counter() - started)
+
+
+def _shorter_mendings_that_pay(load: np.ndarray, current: np.ndarray, layers: np.ndarray, bal_before: np.ndarray,
+                               num_gpus: int, num_nodes: int, settings: RebalanceSettings):
+    """For each of `layers` whose full mending does not pay: the mending with a looser tolerance
+    (SHORTER_TOLERANCES) with the most gain over the stall, when one pays and raises balancedness;
+    yields (layer, [P] row, balancedness, gain, stall)."""
+    best: dict[int, tuple[float, np.ndarray, float, float, float]] = {}
+    for tolerance in SHORTER_TOLERANCES:
+        if tolerance <= settings.tolerance:
+            continue
+        sub_load, sub_current = load[layers], current[layers]
+        rows = repair_placement(sub_load, sub_current, num_gpus, tolerance, num_nodes).physical_to_logical_map
+        gain, stall = layer_gain_and_stall(sub_load, sub_current, rows, num_gpus, num_nodes, settings)
+        bal = placement_balancedness(sub_load, rows, num_gpus)
+        for i, layer in enumerate(layers):
+            net = gain[i] - settings.gain_margin * stall[i]
+            if net > 0 and bal[i] >= bal_before[layer] + max(settings.min_balancedness_gain, 1e-12) and (
+                    layer not in best or net > best[layer][0]):
+                best[int(layer)] = (float(net), rows[i].copy(), float(bal[i]), float(gain[i]), float(stall[i]))
+    for layer in sorted(best):
+        _, row, bal, layer_gain, layer_stall = best[layer]
+        yield layer, row, bal, layer_gain, layer_stall
+
+
+def propose(load: np.ndarray, current: np.ndarray | None, num_slots: int, num_gpus: int, num_nodes: int,
+            tolerance: float) -> tuple[np.ndarray, np.ndarray]:
+    """[L, E] load, [L, P] placement in force (None: the engines' contiguous start) -> ([L, P]
+    proposal, [L] its balancedness): the placement mended in place (incremental.py); a layer the
+    mending leaves more than FULL_SOLVE_BELOW under its target balancedness is solved in full
+    (solve_placement, minimal movement from the same start) and keeps the better balanced of the two."""
+    L, E = load.shape
+    start = current if current is not None else contiguous_placement(L, E, num_slots).astype(np.int64)
+    repaired = repair_placement(load, start, num_gpus, tolerance, num_nodes)
+    proposed = repaired.physical_to_logical_map
+    balancedness = placement_balancedness(load, proposed, num_gpus)
+    target = np.divide(load.sum(axis=1) / num_gpus, repaired.target_max, out=np.ones(L), where=repaired.target_max > 0)
+    missed = np.flatnonzero(~repaired.reached & (balancedness < target - FULL_SOLVE_BELOW))
+    if missed.size:
+        full = solve_placement(load[missed], num_gpus, num_slots, num_nodes, current=start[missed],
+                               tolerance=tolerance)
+        better = full.balancedness_after > balancedness[missed]
+        proposed[missed[better]] = full.physical_to_logical_map[better]
+        balancedness[missed[better]] = full.balancedness_after[better]
+    return proposed, balancedness
 
 
 def layer_gain_and_stall(load: np.ndarray, current: np.ndarray, proposed: np.ndarray, num_gpus: int,
@@ -207,11 +273,8 @@ def layer_gain_and_stall(load: np.ndarray, current: np.ndarray, proposed: np.nda
     busiest_after = gpu_load(load, proposed, num_gpus).max(axis=1)
     per_step = (busiest_before - busiest_after) / settings.window_steps
     gain = np.maximum(per_step, 0.0) * settings.seconds_per_pair * settings.horizon_steps
-    per_node = num_gpus // num_nodes
-    stall = np.array([topology.migration_seconds(current[layer], proposed[layer], num_gpus, per_node,
-                                                 settings.expert_bytes, settings.link_bytes_per_second,
-                                                 settings.inter_node_bytes_per_second)
-                      for layer in range(load.shape[0])])
+    stall = topology.layer_migration_seconds(current, proposed, num_gpus, num_gpus // num_nodes, settings.expert_bytes,
+                                             settings.link_bytes_per_second, settings.inter_node_bytes_per_second)
     return gain, stall
 
 

@@ -49,6 +49,18 @@ def test_records_are_counted_and_the_latest_predictions_exported(helpers):
     assert state.get("moewatch_engine_rebalance_solve_seconds", GROUP) == decision.solve_seconds
 
 
+def test_every_outcome_the_planner_names_is_counted_under_its_own_label(helpers):
+    from moewatch.planner.rebalance import OUTCOMES as DECISION_OUTCOMES
+
+    outcomes = {name: i + 1 for i, name in enumerate(DECISION_OUTCOMES.values())}
+    state = MetricsState()
+    w = window_with(helpers, [{"engine": "sglang", "layer_outcomes": outcomes}])
+    record_window(state, GroupExportMemory(), w, diagnose(w), expert_metrics=False)
+    for name, count in outcomes.items():
+        assert state.get("moewatch_engine_rebalance_layers_total", (*GROUP, name)) == count, name
+    assert "moved_less" in outcomes
+
+
 def test_the_agent_audits_each_engine_rebalance(helpers, start_agent, short_tmp):
     daemon = start_agent()
     decision, carried = records(helpers)

@@ -56,7 +56,7 @@ def test_gain_and_stall_are_priced_from_the_busiest_gpu_and_the_bytes_moved():
     s = rb.RebalanceSettings(expert_bytes=5e8, link_bytes_per_second=1e10, inter_node_bytes_per_second=1e9,
                              window_steps=10, horizon_steps=1000)
     d = rb.gated_rebalance(load, P, W, 1, current=current, settings=s)
-    proposed = rb.solve_placement(load, W, P, 1, current=current, tolerance=s.tolerance).physical_to_logical_map
+    proposed, _ = rb.propose(load, current, P, W, 1, s.tolerance)
     from moewatch.planner.placement_math import gpu_load
     drop = gpu_load(load, current, W).max(axis=1) - gpu_load(load, proposed, W).max(axis=1)
     np.testing.assert_allclose(d.predicted_gain_seconds, drop / 10 * s.seconds_per_pair * 1000)
@@ -109,3 +109,28 @@ def test_settings_from_the_environment_are_validated_naming_the_variable():
 def test_bad_load_is_refused():
     with pytest.raises(ValueError, match="load"):
         rb.gated_rebalance(-skewed(), P, W, N)
+
+
+def test_a_layer_whose_full_mending_does_not_pay_takes_a_shorter_one_that_does():
+    from moewatch.planner.incremental import repair_placement
+
+    load = skewed(5)
+    current = contiguous_placement(L, E, P).astype(np.int64)
+    base = rb.RebalanceSettings(expert_bytes=5e8)
+    full, _ = rb.propose(load, current, P, W, N, base.tolerance)
+    gain_f, stall_f = rb.layer_gain_and_stall(load, current, full, W, N, base)
+    short = repair_placement(load, current, W, rb.SHORTER_TOLERANCES[-1], N).physical_to_logical_map
+    gain_s, stall_s = rb.layer_gain_and_stall(load, current, short, W, N, base)
+    ratio_f, ratio_s = gain_f / stall_f, gain_s / stall_s
+    layer = int(np.argmax(ratio_s / ratio_f))
+    assert ratio_s[layer] > ratio_f[layer]  # the shorter mending pays more per second of stall there
+    margin = float(np.sqrt(ratio_s[layer] * ratio_f[layer]))  # between the two: only the shorter pays
+    d = rb.gated_rebalance(load, P, W, N, current=current,
+                           settings=rb.RebalanceSettings(expert_bytes=5e8, gain_margin=margin))
+    assert d.reasons[layer] == rb.MOVED_LESS
+    assert d.balancedness_before[layer] < d.balancedness_after[layer] < d.balancedness_proposed[layer]
+    assert 0 < d.experts_moved[layer] < (full[layer] != current[layer]).sum()
+    assert d.predicted_gain_seconds[layer] > margin * d.predicted_stall_seconds[layer]
+    record = d.record()
+    assert record["layer_outcomes"]["moved_less"] >= 1 and record["layers_moved"] >= 1
+    np.testing.assert_allclose(d.balancedness_after, placement_balancedness(load, d.physical_to_logical_map, W))

@@ -1,0 +1,95 @@
+"""The mending's two loops (incremental.py: replica counts, then swaps), compiled with numba where it
+is installed.
+
+An engine calls its rebalancing policy inside a budget of tens of milliseconds. The numpy loops in
+incremental._mend_counts and _swap_down spend most of a call on the fixed cost of their array
+operations, some forty a swap round and hundreds of rounds a call, whatever the number of
+layers left to mend. Here each layer runs its own steps as plain loops, so a step costs what its
+candidates cost.
+
+It is the same algorithm, step for step and bit for bit: the same candidates in the same order,
+the same float operations (a GPU's load is summed in numpy's own order: `numpy_sum`), the same
+first maximum. Every rank of an engine runs the policy itself, so an engine whose ranks all have
+numba (vLLM ships it) gets the same maps as one whose ranks all lack it; tests compare the two
+paths map for map. MOEWATCH_PLANNER_COMPILED=0 keeps the numpy loops. The numba functions are in
+_mending_kernels.py, imported only when asked for.
+
+Sizes: W GPUs, S = P // W slots per GPU, M heavy GPUs a round, K partners each.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+
+SWITCH = "MOEWATCH_PLANNER_COMPILED"
+
+_lock = threading.Lock()
+_kernel = None  # the compiled functions (Kernel), once built
+_unavailable: str | None = None  # why there is none
+
+
+def wanted(environ=os.environ) -> bool:
+    """False when MOEWATCH_PLANNER_COMPILED turns the compiled rounds off (0, false, no, off)."""
+    return environ.get(SWITCH, "").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The compiled loops; each takes and returns what its numpy twin in incremental.py does."""
+
+    mend_counts: Callable
+    swap_down: Callable
+
+
+def kernel() -> Kernel | None:
+    """The compiled loops, or None when numba is not installed (or switched off). Compiled on first
+    use, once per process, or read from numba's cache on disk where the package folder (or
+    NUMBA_CACHE_DIR) is writable."""
+    global _kernel, _unavailable
+    if not wanted():
+        return None
+    if _kernel is not None or _unavailable is not None:
+        return _kernel
+    with _lock:
+        if _kernel is None and _unavailable is None:
+            try:
+                _kernel = _build()
+            except ImportError as exc:
+                _unavailable = f"numba is not installed ({exc})"
+    return _kernel
+
+
+def unavailable_reason() -> str | None:
+    """Why kernel() returns None, once it has been asked (None while it works)."""
+    if not wanted():
+        return f"{SWITCH} is off"
+    return _unavailable
+
+
+def _build() -> Kernel:
+    from . import _mending_kernels as kernels
+
+    return Kernel(mend_counts=kernels.mend_counts, swap_down=kernels.swap_down)
+
+
+def warm_up() -> str:
+    """Compile the loops now rather than in the engine's first rebalance, by mending a small placement
+    through the planner's own path (so with the argument types it passes); -> a line for the log
+    saying which loops the mending runs. Call it off the engine's path (a thread): compiling takes
+    seconds where numba's cache is empty."""
+    import numpy as np
+
+    from .incremental import repair_placement
+
+    compiled = kernel()
+    if compiled is None:
+        return f"the mending runs numpy's loops: {unavailable_reason()}"
+    # two GPUs carrying 4 and 2: over the target, so both loops run
+    repair_placement(np.array([[3.0, 1.0, 1.0, 1.0]]), np.array([[0, 1, 2, 3]]), 2, 0.005)
+    import numba
+
+    return f"the mending runs compiled (numba {numba.__version__})"
