@@ -9,9 +9,11 @@ alone (moewatch.planner.rebalance), so this state cannot make two ranks disagree
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from moewatch.planner import mending_compiled
 from moewatch.planner.rebalance import DecisionRecords, RebalanceDecision, RebalanceSettings, switched_on
 
 
@@ -19,8 +21,9 @@ class RebalanceHookState:
     """One engine's hook in this process: its settings once installed, the last decision, the
     records not yet sent, and how many calls the engine's own algorithm answered after an error."""
 
-    def __init__(self, engine: str, own_algorithm: str, logger: logging.Logger):
-        self.engine = engine  # "vllm" or "sglang": the records' `engine` field
+    def __init__(self, engine: str, engine_name: str, own_algorithm: str, logger: logging.Logger):
+        self.engine = engine  # "vllm" or "sglang": the records' `engine` field and the package
+        self.engine_name = engine_name  # "vLLM", for the log lines
         self.own_algorithm = own_algorithm  # "vLLM's own EPLB policy", for the log lines
         self.logger = logger
         self.installed = False
@@ -40,8 +43,45 @@ class RebalanceHookState:
             self.logger.warning("moewatch: %s; %s stays", exc, self.own_algorithm)
             return None
 
-    def install(self, settings: RebalanceSettings) -> None:
+    def install_from_env(self, environ: Mapping[str, str], import_engine: Callable[[], Any],
+                         interface_problem: Callable[[Any], str | None],
+                         attach: Callable[[Any, RebalanceSettings], None]) -> bool:
+        """What both adapters do at start: with MOEWATCH_EPLB on and good settings, import the
+        engine's modules (`import_engine`), check the interface they expose (`interface_problem`
+        returns what differs, or None) and `attach` moewatch's answer; True when it is in place.
+        Idempotent. Never raises: a bad setting, a missing module or another interface leaves the
+        engine's own algorithm in place, with one warning naming the engine's version."""
+        if self.installed:
+            return True
+        settings = self.settings_from_env(environ)
+        if settings is None:
+            return False
+        version = package_version(self.engine)
+        try:
+            modules = import_engine()
+        except ImportError as exc:
+            self.logger.warning("moewatch: %s %s lacks what moewatch's EPLB answer needs (%s); %s stays",
+                                self.engine_name, version, exc, self.own_algorithm)
+            return False
+        problem = interface_problem(modules)
+        if problem is not None:
+            self.logger.warning("moewatch: %s %s: %s; %s stays", self.engine_name, version, problem,
+                                self.own_algorithm)
+            return False
         self.settings, self.installed = settings, True
+        attach(modules, settings)
+        threading.Thread(target=self._warm_up, name="moewatch-eplb-warm-up", daemon=True).start()
+        return True
+
+    def _warm_up(self) -> None:
+        # numba compiles the mending's loops on first use: here, while the engine loads its model,
+        # not in its first rebalance. A failure only means the first call compiles (or runs numpy).
+        try:
+            self.logger.info("moewatch: %s's EPLB answer is in place; %s", self.engine_name,
+                             mending_compiled.warm_up())
+        except Exception as exc:  # noqa: BLE001 - a warm-up never stops the engine
+            self.logger.warning("moewatch: compiling the mending ahead failed (%s: %s); its first use compiles it",
+                                type(exc).__name__, exc)
 
     def decided(self, decision: RebalanceDecision) -> None:
         self.last_decision = decision

@@ -30,7 +30,7 @@ import numpy as np
 from moewatch.planner.placement_math import replica_counts_of
 from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance
 
-from .rebalance_hook import RebalanceHookState, package_version
+from .rebalance_hook import RebalanceHookState
 
 logger = logging.getLogger("moewatch.sglang.eplb")
 
@@ -39,34 +39,27 @@ EXPECTED_PARAMETERS = ("tokens_per_expert", "num_physical_experts", "num_local_p
                        "num_nodes", "algorithm")
 
 # Per process, never part of a decision (rebalance_hook.py).
-_hook = RebalanceHookState("sglang", "SGLang's own EPLB algorithm", logger)
+_hook = RebalanceHookState("sglang", "SGLang", "SGLang's own EPLB algorithm", logger)
 
 
 def register(environ=os.environ) -> bool:
     """The entry point: register the hook when MOEWATCH_EPLB is on; True when it is registered.
     Idempotent; never raises (a bad setting or another interface leaves SGLang's algorithm)."""
-    if _hook.installed:
-        return True
-    settings = _hook.settings_from_env(environ)
-    if settings is None:
-        return False
-    try:
-        from sglang.srt.eplb import eplb_algorithms, expert_location
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    except ImportError as exc:
-        logger.warning("moewatch: SGLang %s lacks what the EPLB hook needs (%s); SGLang's own algorithm stays",
-                       package_version("sglang"), exc)
-        return False
-    problem = interface_problem(eplb_algorithms, expert_location)
-    if problem is not None:
-        logger.warning("moewatch: SGLang %s: %s; SGLang's own EPLB algorithm stays", package_version("sglang"),
-                       problem)
-        return False
-    _hook.install(settings)
-    HookRegistry.register(TARGET, rebalance_around, HookType.AROUND)
+    return _hook.install_from_env(environ, _import_eplb, lambda modules: interface_problem(*modules[:2]), _attach)
+
+
+def _import_eplb():
+    from sglang.srt.eplb import eplb_algorithms, expert_location
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    return eplb_algorithms, expert_location, HookRegistry, HookType
+
+
+def _attach(modules, settings: RebalanceSettings) -> None:
+    _, _, registry, hook_type = modules
+    registry.register(TARGET, rebalance_around, hook_type.AROUND)
     logger.info("moewatch: SGLang's rebalance_experts answers with moewatch's planner (settings %s)",
                 settings.to_dict())
-    return True
 
 
 def interface_problem(eplb_algorithms, expert_location) -> str | None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance
 
-from .rebalance_hook import RebalanceHookState, package_version
+from .rebalance_hook import RebalanceHookState
 
 logger = logging.getLogger("moewatch.vllm.eplb")
 
@@ -34,32 +34,25 @@ EXPECTED_PARAMETERS = ("weight", "num_replicas", "num_groups", "num_nodes", "num
                        "old_global_expert_indices")
 
 # Per process, never part of a decision (rebalance_hook.py).
-_hook = RebalanceHookState("vllm", "vLLM's own EPLB policy", logger)
+_hook = RebalanceHookState("vllm", "vLLM", "vLLM's own EPLB policy", logger)
 
 
 def install_from_env(environ=os.environ) -> bool:
     """Replace vLLM's default EPLB policy when MOEWATCH_EPLB is on; True when ours is in place.
     Idempotent. Never raises: a bad setting or another interface leaves vLLM's policy in place."""
-    if _hook.installed:
-        return True
-    settings = _hook.settings_from_env(environ)
-    if settings is None:
-        return False
-    try:
-        from vllm.distributed.eplb import policy as policies
-    except ImportError as exc:
-        logger.warning("moewatch: vLLM %s has no EPLB policy registry (%s); vLLM's own policy stays",
-                       package_version("vllm"), exc)
-        return False
-    problem = interface_problem(policies)
-    if problem is not None:
-        logger.warning("moewatch: vLLM %s: %s; vLLM's own EPLB policy stays", package_version("vllm"), problem)
-        return False
+    return _hook.install_from_env(environ, _import_policies, interface_problem, _attach)
+
+
+def _import_policies():
+    from vllm.distributed.eplb import policy as policies
+
+    return policies
+
+
+def _attach(policies, settings: RebalanceSettings) -> None:
     original = policies.EPLB_POLICIES["default"]
-    _hook.install(settings)
     policies.EPLB_POLICIES["default"] = make_policy(policies.AbstractEplbPolicy, original, settings)
     logger.info("moewatch: vLLM's EPLB policy \"default\" is moewatch's planner (settings %s)", settings.to_dict())
-    return True
 
 
 def interface_problem(policies) -> str | None:
