@@ -4,6 +4,7 @@ Prints one JSON object: NCCL (EP output against the single-process reference, pr
 CUDA events, a live placement change, a stale plan, an injected migration failure), the Triton grouped
 GEMM against the torch path on the device (match and speed), the probe's overhead ratio on the GPU,
 the engine adapters' no-sync step clock (eager and under a CUDA graph, with sync debug mode "error"),
+moewatch's EPLB policy as vLLM and SGLang call it at production shape on device-resident inputs,
 the runtime end to end with each kernel, and the closed loop (`moewatch bench loop --backend nccl`:
 step time before and after the agent acts on a hot-expert skew, against an observe-mode control; it
 needs two GPUs or more, and is reported as not run on one). `ok` is true only when every check that
@@ -209,6 +210,59 @@ def engine_clock(quick: bool) -> dict:
     return out
 
 
+def engine_policy(device: str = "cuda", quick: bool = False) -> dict:
+    """moewatch's EPLB policy as vLLM and SGLang call it, at production shape (61 layers x 256
+    experts, 320 slots, 64 ranks on 8 nodes), on inputs resident on `device`: each adapter's answer
+    from device tensors must equal its answer from the same values on the CPU, byte for byte, and be
+    a map the engine accepts. Call seconds are reported, not judged (no engine policy runs here to
+    compare with: `moewatch bench eplb` does that). A vLLM run with EPLB needs two GPUs or more and
+    vLLM installed: reported as not run otherwise."""
+    from moewatch.planner.placement_math import contiguous_placement
+    from moewatch.planner.rebalance import RebalanceSettings
+    from moewatch.runtime.engines import sglang_eplb, vllm_eplb
+    from moewatch.tools.bench.eplb import scenario_loads
+
+    L, E, P, W, N = 61, 256, 320, 64, 8
+    windows = 2 if quick else 4
+    loads = scenario_loads("drift", windows, L, E, 1000 * 64 * 256 * 8, seed=17)
+    settings = RebalanceSettings()
+    out: dict = {"shape": {"layers": L, "experts": E, "slots": P, "ranks": W, "nodes": N}, "device": device,
+                 "windows": windows}
+    for engine in ("vllm", "sglang"):
+        current = contiguous_placement(L, E, P).astype(np.int64)
+        calls = []
+        for window in loads:
+            on_cpu = torch.from_numpy(window)
+            on_device = on_cpu.to(device)
+            old_device = torch.from_numpy(current).to(device)
+            if engine == "vllm":
+                started = time.perf_counter()
+                got = vllm_eplb.decide(on_device, P, N, W, old_device, settings).physical_to_logical_map
+                seconds = time.perf_counter() - started
+                want = vllm_eplb.decide(on_cpu, P, N, W, current, settings).physical_to_logical_map
+            else:
+                started = time.perf_counter()
+                (got_t, _, _), _ = sglang_eplb.decide(on_device[None], P, P // W, N, current, settings)
+                seconds = time.perf_counter() - started
+                (want_t, _, _), _ = sglang_eplb.decide(on_cpu[None], P, P // W, N, current, settings)
+                got, want = got_t.numpy(), want_t.numpy()
+            vllm_eplb.check_map(got, L, E, P)
+            calls.append({"seconds": seconds, "same_as_cpu": got.tobytes() == want.tobytes(),
+                          "slots_moved": int((got != current).sum())})
+            current = got
+        out[engine] = {"calls": calls, "ok": all(c["same_as_cpu"] for c in calls)}
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    try:
+        import vllm  # noqa: F401
+        has_vllm = True
+    except ImportError:
+        has_vllm = False
+    out["vllm_run"] = {"ran": False, "why": f"{gpus} GPU(s), vLLM {'installed' if has_vllm else 'not installed'}: "
+                                            "a vLLM run with EPLB needs two GPUs or more and vLLM"}
+    out["ok"] = out["vllm"]["ok"] and out["sglang"]["ok"]
+    return out
+
+
 def end_to_end(world_size: int) -> dict:
     from moewatch.runtime.config import RuntimeConfig
     from moewatch.runtime.launcher import launch
@@ -280,6 +334,7 @@ def main() -> int:
     for name, fn in (("kernel", lambda: kernel_check(args.quick)), ("nccl", lambda: nccl_checks(world_size)),
                      ("probe_overhead", lambda: probe_overhead(world_size, args.quick)),
                      ("engine_clock", lambda: engine_clock(args.quick)),
+                     ("engine_policy", lambda: engine_policy("cuda", args.quick)),
                      ("end_to_end", lambda: end_to_end(world_size)),
                      ("closed_loop", lambda: closed_loop(world_size, quick=args.quick))):
         started = time.monotonic()
@@ -289,7 +344,7 @@ def main() -> int:
             report[name] = {"ok": False, "error": traceback.format_exc()[-4000:]}
         report[name]["seconds"] = round(time.monotonic() - started, 1)
     report["ok"] = all(report[name].get("ok") for name in ("kernel", "nccl", "probe_overhead", "engine_clock",
-                                                          "end_to_end")) and \
+                                                          "engine_policy", "end_to_end")) and \
         report["closed_loop"].get("ok") is not False
     print(json.dumps(report, default=str))
     return 0 if report["ok"] else 1

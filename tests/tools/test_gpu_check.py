@@ -19,8 +19,10 @@ def test_one_gpu_is_reported_as_not_run():
 @pytest.mark.slow
 def test_closed_loop_rehearsal_on_gloo_reports_the_bench_contract():
     # A small shape: this checks the wiring and the accounting, not the speed-up (no timed assertions).
+    # Windows of the demo's 16 steps: verification reads time per step over 3 windows, and over 3 windows
+    # of 4 steps on two shared cores other work faked a regression and rolled back the good plan.
     out = gpu_check.closed_loop(2, backend="gloo", shape={"hidden": 64, "ffn": 128, "batch-tokens": 128,
-                                                           "window-steps": 4}, seconds=6, control_seconds=2)
+                                                           "window-steps": 16}, seconds=6, control_seconds=2)
     assert out["ran"] and "error" not in out, out.get("error")
     r = out["result"]
     for key in CONTRACT:
@@ -32,3 +34,15 @@ def test_closed_loop_rehearsal_on_gloo_reports_the_bench_contract():
     assert set(out["checks"]) == {"pairs_lost", "acted", "no_false_rollback", "step_p50_ratio", "windows_to_fix",
                                   "stall_per_plan"}
     assert out["checks"]["pairs_lost"] and out["checks"]["acted"]
+
+
+def test_engine_policy_part_runs_on_the_cpu_path_and_compares_bytes():
+    # The same part the GPU check runs on device-resident tensors; here the "device" is the CPU, so
+    # each call must equal itself byte for byte and be a map vLLM accepts.
+    out = gpu_check.engine_policy("cpu", quick=True)
+    assert out["ok"], out
+    for engine in ("vllm", "sglang"):
+        calls = out[engine]["calls"]
+        assert len(calls) == 2 and all(c["same_as_cpu"] for c in calls)
+        assert calls[0]["slots_moved"] > 0  # the first window moves away from the engines' start
+    assert out["vllm_run"]["ran"] is False and "two GPUs" in out["vllm_run"]["why"]
