@@ -24,7 +24,8 @@ def test_figures_count_moves_from_the_previous_map_and_balancedness_on_each_wind
     swapped = start.copy()
     swapped[:, [1, 2]] = swapped[:, [2, 1]]  # the two heavy experts on different GPUs
     maps = np.stack([swapped, swapped])
-    decision = {"layers_by_reason": {"kept: the predicted gain does not pay for the stall": [0, 1]}}
+    decision = {"layers_by_reason": {"kept: the predicted gain does not pay for the stall": [0, 1]},
+                "layer_outcomes": {"kept_not_paying": 2}}
     f = bench.policy_figures(loads, maps, [0.1, 0.3], [None, decision], W, P)
     assert f["experts_moved"] == [2 * L, 0] and f["experts_moved_total"] == 2 * L
     assert f["balancedness_after"] == [3.0 / 5.0, 3.0 / 5.0]  # GPU loads 5, 5, 2, 0: mean 3 over max 5
