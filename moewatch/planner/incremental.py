@@ -24,6 +24,7 @@ Sizes: L layers, E experts, P slots, W GPUs, S = P // W slots per GPU, K idlest 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -210,6 +211,16 @@ def _gpu_loads(load: np.ndarray, row: np.ndarray, num_gpus: int) -> np.ndarray:
     return _slot_weights(load, row).reshape(A, num_gpus, P // num_gpus).sum(axis=2)
 
 
+@contextmanager
+def _contiguous(row: np.ndarray):
+    """`row` as the C-contiguous int64 array the compiled loops write into, copied back into `row`
+    after them when it had to be a copy."""
+    out = np.ascontiguousarray(row, dtype=np.int64)
+    yield out
+    if out is not row:
+        row[...] = out
+
+
 def _mend_counts(load: np.ndarray, row: np.ndarray, num_gpus: int, heaviest_allowed: np.ndarray,
                  budget: np.ndarray) -> np.ndarray:
     """_mend_counts_numpy, compiled where numba is installed (mending_compiled.py); -> [L] slots
@@ -217,13 +228,10 @@ def _mend_counts(load: np.ndarray, row: np.ndarray, num_gpus: int, heaviest_allo
     compiled = mending_compiled.kernel()
     if compiled is None:
         return _mend_counts_numpy(load, row, num_gpus, heaviest_allowed, budget)
-    rewritten = np.ascontiguousarray(row, dtype=np.int64)
-    changes = compiled.mend_counts(np.ascontiguousarray(load, dtype=np.float64), rewritten, int(num_gpus),
-                                   np.ascontiguousarray(heaviest_allowed, dtype=np.float64),
-                                   np.ascontiguousarray(budget, dtype=np.int64))
-    if rewritten is not row:
-        row[...] = rewritten
-    return changes
+    with _contiguous(row) as rewritten:
+        return compiled.mend_counts(np.ascontiguousarray(load, dtype=np.float64), rewritten, int(num_gpus),
+                                    np.ascontiguousarray(heaviest_allowed, dtype=np.float64),
+                                    np.ascontiguousarray(budget, dtype=np.int64))
 
 
 def _mend_counts_numpy(load: np.ndarray, row: np.ndarray, num_gpus: int, heaviest_allowed: np.ndarray,
@@ -288,14 +296,12 @@ def _swap_down(load: np.ndarray, row: np.ndarray, current: np.ndarray, num_gpus:
     compiled = mending_compiled.kernel()
     if compiled is None:
         return _swap_down_numpy(row, weights, current, num_gpus, node_of, target_max, budget, progress, shape)
-    swapped = np.ascontiguousarray(row, dtype=np.int64)
-    swaps = compiled.swap_down(swapped, np.ascontiguousarray(weights), np.ascontiguousarray(current, dtype=np.int64),
-                               np.ascontiguousarray(target_max, dtype=np.float64),
-                               np.ascontiguousarray(budget, dtype=np.int64), node_of, int(num_gpus), shape.heavy,
-                               shape.partners, shape.busiest_partners, STALL_ROUNDS, float(progress), _MIN_GAIN)
-    if swapped is not row:
-        row[...] = swapped
-    return swaps
+    with _contiguous(row) as swapped:
+        return compiled.swap_down(swapped, np.ascontiguousarray(weights),
+                                  np.ascontiguousarray(current, dtype=np.int64),
+                                  np.ascontiguousarray(target_max, dtype=np.float64),
+                                  np.ascontiguousarray(budget, dtype=np.int64), node_of, int(num_gpus), shape.heavy,
+                                  shape.partners, shape.busiest_partners, STALL_ROUNDS, float(progress), _MIN_GAIN)
 
 
 def _swap_down_numpy(row: np.ndarray, weights: np.ndarray, current: np.ndarray, num_gpus: int, node_of: np.ndarray,

@@ -209,8 +209,8 @@ def gated_rebalance(load: Any, num_slots: int, num_gpus: int, num_nodes: int = 1
     if unpaid.any():
         # A layer whose full mending costs more than it gains may still pay for a shorter one.
         layers = np.flatnonzero(unpaid)
-        for layer, row, bal, layer_gain, layer_stall in _shorter_mendings_that_pay(load_arr, cur, layers, bal_before,
-                                                                                 W, N, settings):
+        for layer, (row, bal, layer_gain, layer_stall) in _shorter_mendings_that_pay(load_arr, cur, layers, bal_before,
+                                                                                   W, N, settings).items():
             reasons[layer] = MOVED_LESS
             pmap[layer] = row
             bal_after[layer] = bal
@@ -221,15 +221,16 @@ def gated_rebalance(load: Any, num_slots: int, num_gpus: int, num_nodes: int = 1
 
 
 def _shorter_mendings_that_pay(load: np.ndarray, current: np.ndarray, layers: np.ndarray, bal_before: np.ndarray,
-                               num_gpus: int, num_nodes: int, settings: RebalanceSettings):
+                               num_gpus: int, num_nodes: int, settings: RebalanceSettings
+                               ) -> dict[int, tuple[np.ndarray, float, float, float]]:
     """For each of `layers` whose full mending does not pay: the mending with a looser tolerance
     (SHORTER_TOLERANCES) with the most gain over the stall, when one pays and raises balancedness;
-    yields (layer, [P] row, balancedness, gain, stall)."""
+    -> {layer: ([P] row, balancedness, gain, stall)}."""
     best: dict[int, tuple[float, np.ndarray, float, float, float]] = {}
+    sub_load, sub_current = load[layers], current[layers]
     for tolerance in SHORTER_TOLERANCES:
         if tolerance <= settings.tolerance:
             continue
-        sub_load, sub_current = load[layers], current[layers]
         rows = repair_placement(sub_load, sub_current, num_gpus, tolerance, num_nodes).physical_to_logical_map
         gain, stall = layer_gain_and_stall(sub_load, sub_current, rows, num_gpus, num_nodes, settings)
         bal = placement_balancedness(sub_load, rows, num_gpus)
@@ -238,9 +239,7 @@ def _shorter_mendings_that_pay(load: np.ndarray, current: np.ndarray, layers: np
             if net > 0 and bal[i] >= bal_before[layer] + max(settings.min_balancedness_gain, 1e-12) and (
                     layer not in best or net > best[layer][0]):
                 best[int(layer)] = (float(net), rows[i].copy(), float(bal[i]), float(gain[i]), float(stall[i]))
-    for layer in sorted(best):
-        _, row, bal, layer_gain, layer_stall = best[layer]
-        yield layer, row, bal, layer_gain, layer_stall
+    return {layer: rest for layer, (_, *rest) in best.items()}
 
 
 def propose(load: np.ndarray, current: np.ndarray | None, num_slots: int, num_gpus: int, num_nodes: int,
