@@ -10,14 +10,16 @@ window_steps x pairs_per_step pairs per layer, multinomial over the popularity.
 vLLM's part runs in vLLM's environment (--vllm-python: its DefaultEplbPolicy and moewatch's policy
 behind the same interface, as vLLM would call it, each from its own previous map), SGLang's in
 SGLang's (--sglang-python: eplb_algorithms.rebalance_experts with EplbAlgorithm.deepseek, which is
-not given a map); each in a subprocess that writes its maps and call times. The figures are
-computed here: balancedness after each rebalance on the load it was solved for (and, drifting, on
-the next window's load), slots moved per rebalance, call seconds, layers the gate kept. Goals
-(issue 17) are pass/fail keys under "goals".
+not given a map); each in a subprocess that writes its maps and call times. `--tolerances` adds
+moewatch's policy at other MOEWATCH_EPLB_TOLERANCE values, for the trade between slots moved and
+balancedness. The figures are computed here: balancedness after each rebalance on the load it was
+solved for (and, drifting, on the next window's load), slots moved per rebalance, call seconds,
+layers the gate kept. Goals (issue 17) are pass/fail keys under "goals", for the settings in force.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -31,6 +33,33 @@ import numpy as np
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 STEADY = ("lognormal", "zipf", "hot")
+# moewatch's policy at the settings in force is "moewatch"; at another MOEWATCH_EPLB_TOLERANCE
+# (--tolerances) it is this name with the tolerance appended. Goals are about "moewatch" alone.
+TOLERANCE_POLICY = "moewatch_tolerance_"
+
+
+def tolerance_policy_name(tolerance: float) -> str:
+    return f"{TOLERANCE_POLICY}{tolerance:g}"
+
+
+def is_moewatch(policy: str) -> bool:
+    return policy == "moewatch" or policy.startswith(TOLERANCE_POLICY)
+
+
+def parse_tolerances(text: str) -> tuple[float, ...]:
+    """"0.01,0.02" -> (0.01, 0.02); each a number in (0, 1). Raises ValueError naming the value."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"not a number: {part!r}") from None
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"{part} is not in (0, 1)")
+        out.append(value)
+    return tuple(dict.fromkeys(out))
 
 
 def scenario_loads(kind: str, intervals: int, layers: int, experts: int, pairs_per_window: int,
@@ -54,9 +83,10 @@ def scenario_loads(kind: str, intervals: int, layers: int, experts: int, pairs_p
 
 # --- inside an engine's environment -------------------------------------------------------------------
 
-def run_vllm_policies(loads: np.ndarray, shape: dict[str, int], environ: dict[str, str]) -> dict[str, Any]:
-    """vLLM's default policy and moewatch's (vllm_eplb, as installed by the plugin) over the windows,
-    each from its own previous map; -> {policy: {"maps": [T, L, P], "seconds": [T], "decisions"}}."""
+def run_vllm_policies(loads: np.ndarray, shape: dict[str, Any], environ: dict[str, str]) -> dict[str, Any]:
+    """vLLM's default policy and moewatch's (vllm_eplb, as installed by the plugin; also at each of
+    shape["tolerances"]) over the windows, each from its own previous map;
+    -> {policy: {"maps": [T, L, P], "seconds": [T], "decisions"}}."""
     import torch
     from vllm.distributed.eplb.policy import AbstractEplbPolicy
     from vllm.distributed.eplb.policy.default import DefaultEplbPolicy
@@ -68,12 +98,15 @@ def run_vllm_policies(loads: np.ndarray, shape: dict[str, int], environ: dict[st
 
     settings = RebalanceSettings.from_env(environ)
     ours = vllm_eplb.make_policy(AbstractEplbPolicy, DefaultEplbPolicy, settings)
+    swept = [(tolerance_policy_name(t), vllm_eplb.make_policy(AbstractEplbPolicy, DefaultEplbPolicy,
+                                                               dataclasses.replace(settings, tolerance=t)))
+             for t in shape.get("tolerances", [])]
     # As the plugin does at install: numba compiles (or reads its cache) before the first call.
     started = time.perf_counter()
     mending = {"loops": mending_compiled.warm_up(), "warm_up_seconds": time.perf_counter() - started}
     P, W, N, groups = shape["slots"], shape["ranks"], shape["nodes"], shape["groups"]
     out: dict[str, Any] = {}
-    for name, policy in (("vllm_default", DefaultEplbPolicy), ("moewatch", ours)):
+    for name, policy in (("vllm_default", DefaultEplbPolicy), ("moewatch", ours), *swept):
         current = torch.from_numpy(contiguous_placement(loads.shape[1], loads.shape[2], P).astype(np.int64))
         maps, seconds, decisions = [], [], []
         for window in loads:
@@ -81,11 +114,11 @@ def run_vllm_policies(loads: np.ndarray, shape: dict[str, int], environ: dict[st
             current = policy.rebalance_experts(torch.from_numpy(window), P, groups, N, W, current)
             seconds.append(time.perf_counter() - started)
             maps.append(current.numpy().copy())
-            if name == "moewatch":
+            if is_moewatch(name):
                 decision = vllm_eplb.last_decision()
                 decisions.append(None if decision is None else decision.record())
         out[name] = {"maps": np.stack(maps), "seconds": seconds, "decisions": decisions,
-                     "fallbacks": vllm_eplb.fallbacks() if name == "moewatch" else 0}
+                     "fallbacks": vllm_eplb.fallbacks() if is_moewatch(name) else 0}
     out["moewatch"]["mending"] = mending
     return out
 
@@ -161,7 +194,7 @@ def goals(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
     its own after every rebalance, at most a third of its slots moved, at most half its median call
     time; and on a steady load, nothing moved after the first rebalance."""
     out: dict[str, bool] = {"steady_load_moves_nothing_after_first": True}
-    others = sorted({p for policies in results.values() for p in policies if p != "moewatch"})
+    others = sorted({p for policies in results.values() for p in policies if not is_moewatch(p)})
     seconds: dict[str, list[float]] = {p: [] for p in ["moewatch", *others]}
     for other in others:
         out[f"balancedness_at_least_{other}_every_interval"] = True
@@ -188,8 +221,9 @@ def goals(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
 
 def run_bench(layers: int, experts: int, slots: int, ranks: int, nodes: int, groups: int, steady_intervals: int,
               drift_intervals: int, window_steps: int, pairs_per_step: int, seed: int, vllm_python: str,
-              sglang_python: str, environ: dict[str, str]) -> dict[str, Any]:
-    shape = {"layers": layers, "experts": experts, "slots": slots, "ranks": ranks, "nodes": nodes, "groups": groups}
+              sglang_python: str, environ: dict[str, str], tolerances: tuple[float, ...] = ()) -> dict[str, Any]:
+    shape = {"layers": layers, "experts": experts, "slots": slots, "ranks": ranks, "nodes": nodes, "groups": groups,
+             "tolerances": list(tolerances)}
     pairs = window_steps * pairs_per_step
     scenarios = {kind: scenario_loads(kind, steady_intervals, layers, experts, pairs, seed + i)
                  for i, kind in enumerate(STEADY)}
@@ -252,9 +286,12 @@ def _eplb_command():
     @click.option("--vllm-python", default=DEFAULT_VLLM_PYTHON, show_default=True)
     @click.option("--sglang-python", default=sys.executable, show_default=True,
                   help="a Python with SGLang installed (default: this one)")
+    @click.option("--tolerances", default="", metavar="T[,T...]",
+                  help="also run moewatch's policy at these MOEWATCH_EPLB_TOLERANCE values (slots moved "
+                       "against balancedness); the goals stay those of the settings in force")
     @click.option("--json", "as_json", is_flag=True, help="machine output only")
     def eplb(layers, experts, slots, ranks, nodes, groups, steady_intervals, drift_intervals, window_steps,
-             pairs_per_step, seed, vllm_python, sglang_python, as_json) -> None:
+             pairs_per_step, seed, vllm_python, sglang_python, tolerances, as_json) -> None:
         """moewatch's EPLB policy against vLLM's default and SGLang's deepseek, through their own functions.
         Gate settings come from MOEWATCH_EPLB_* (docs/integrations.md)."""
         from moewatch.planner.placement_math import PlacementShapeError, check_sizes
@@ -263,12 +300,17 @@ def _eplb_command():
             check_sizes(experts, slots, ranks, nodes)
         except PlacementShapeError as exc:
             raise click.BadParameter(str(exc)) from None
+        try:
+            swept = parse_tolerances(tolerances)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--tolerances") from None
         for python in (vllm_python, sglang_python):
             if not Path(python).is_file():
                 raise click.ClickException(f"{python} is missing (`make vllm-env` builds vLLM's environment)")
         try:
             report = run_bench(layers, experts, slots, ranks, nodes, groups, steady_intervals, drift_intervals,
-                               window_steps, pairs_per_step, seed, vllm_python, sglang_python, dict(os.environ))
+                               window_steps, pairs_per_step, seed, vllm_python, sglang_python, dict(os.environ),
+                               swept)
         except RuntimeError as exc:
             raise click.ClickException(str(exc)) from None
         if as_json:
@@ -276,7 +318,7 @@ def _eplb_command():
             return report
         for scenario, policies in report["results"].items():
             for policy, f in policies.items():
-                click.echo(f"{scenario:9s} {policy:15s} balancedness {min(f['balancedness_after']):.3f}-"
+                click.echo(f"{scenario:9s} {policy:26s} balancedness {min(f['balancedness_after']):.3f}-"
                            f"{max(f['balancedness_after']):.3f}  moved {f['experts_moved_total']:6d}  "
                            f"solve median {f['solve_seconds_median'] * 1e3:8.1f} ms  kept by gate "
                            f"{sum(f['layers_kept_by_gate'])}")

@@ -3,7 +3,10 @@ engines in their environments and is not a test)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+import pytest
 
 from moewatch.planner.placement_math import contiguous_placement
 from moewatch.tools.bench import eplb as bench
@@ -51,3 +54,25 @@ def test_goals_pass_and_fail_on_the_issues_terms():
     bad = {"zipf": {"moewatch": figures([0.97, 0.99], [30, 40], [0.2, 0.2]),
                     "vllm_default": figures([0.98, 0.98], [100, 90], [0.3, 0.3])}}
     assert not any(bench.goals(bad).values())
+
+
+def test_policies_at_other_tolerances_are_moewatch_and_not_an_engine_to_beat():
+    def figures(bal, moved, seconds=0.1):
+        return {"balancedness_after": bal, "experts_moved": moved, "experts_moved_total": sum(moved),
+                "solve_seconds": [seconds] * len(bal)}
+
+    looser = bench.tolerance_policy_name(0.02)
+    assert looser == "moewatch_tolerance_0.02" and bench.is_moewatch(looser) and not bench.is_moewatch("vllm_default")
+    # The looser run moves far fewer slots and balances less: were it an engine, every goal against it would fail.
+    results = {"zipf": {"moewatch": figures([0.99, 0.99], [30, 0]), looser: figures([0.97, 0.97], [5, 0]),
+                        "sglang_deepseek": figures([0.98, 0.98], [100, 100], seconds=0.3)}}
+    got = bench.goals(results)
+    assert not any(looser in goal for goal in got) and all(got.values()), got
+
+
+def test_tolerances_parse_as_a_list_of_shares_and_refuse_anything_else():
+    assert bench.parse_tolerances("0.01, 0.02,0.01,") == (0.01, 0.02)
+    assert bench.parse_tolerances("") == ()
+    for bad, says in (("0.01,x", "not a number: 'x'"), ("1.5", "not in (0, 1)"), ("0", "not in (0, 1)")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            bench.parse_tolerances(bad)
