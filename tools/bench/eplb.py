@@ -109,6 +109,7 @@ def run_vllm_policies(loads: np.ndarray, shape: dict[str, Any], environ: dict[st
     for name, policy in (("vllm_default", DefaultEplbPolicy), ("moewatch", ours), *swept):
         current = torch.from_numpy(contiguous_placement(loads.shape[1], loads.shape[2], P).astype(np.int64))
         maps, seconds, decisions = [], [], []
+        fallbacks_before = vllm_eplb.fallbacks()  # the count is the process's: this policy's is the rise
         for window in loads:
             started = time.perf_counter()
             current = policy.rebalance_experts(torch.from_numpy(window), P, groups, N, W, current)
@@ -118,7 +119,7 @@ def run_vllm_policies(loads: np.ndarray, shape: dict[str, Any], environ: dict[st
                 decision = vllm_eplb.last_decision()
                 decisions.append(None if decision is None else decision.record())
         out[name] = {"maps": np.stack(maps), "seconds": seconds, "decisions": decisions,
-                     "fallbacks": vllm_eplb.fallbacks() if is_moewatch(name) else 0}
+                     "fallbacks": vllm_eplb.fallbacks() - fallbacks_before if is_moewatch(name) else 0}
     out["moewatch"]["mending"] = mending
     return out
 
