@@ -247,7 +247,8 @@ def propose(load: np.ndarray, current: np.ndarray | None, num_slots: int, num_gp
     """[L, E] load, [L, P] placement in force (None: the engines' contiguous start) -> ([L, P]
     proposal, [L] its balancedness): the placement mended in place (incremental.py); a layer the
     mending leaves more than FULL_SOLVE_BELOW under its target balancedness is solved in full
-    (solve_placement, minimal movement from the same start) and keeps the better balanced of the two."""
+    (solve_placement, minimal movement from the same start) and keeps the better balanced of the two,
+    the full solve mended once more from where it ends."""
     L, E = load.shape
     start = current if current is not None else contiguous_placement(L, E, num_slots).astype(np.int64)
     repaired = repair_placement(load, start, num_gpus, tolerance, num_nodes)
@@ -259,8 +260,12 @@ def propose(load: np.ndarray, current: np.ndarray | None, num_slots: int, num_gp
         full = solve_placement(load[missed], num_gpus, num_slots, num_nodes, current=start[missed],
                                tolerance=tolerance)
         better = full.balancedness_after > balancedness[missed]
-        proposed[missed[better]] = full.physical_to_logical_map[better]
-        balancedness[missed[better]] = full.balancedness_after[better]
+        solved = missed[better]
+        # Mended once more from the full solve, a layer stops where the mending would leave it on the
+        # next call: on a load that does not change, that call moves nothing.
+        again = repair_placement(load[solved], full.physical_to_logical_map[better], num_gpus, tolerance, num_nodes)
+        proposed[solved] = again.physical_to_logical_map
+        balancedness[solved] = placement_balancedness(load[solved], again.physical_to_logical_map, num_gpus)
     return proposed, balancedness
 
 
