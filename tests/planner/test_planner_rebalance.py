@@ -134,4 +134,3 @@ def test_a_layer_whose_full_mending_does_not_pay_takes_a_shorter_one_that_does()
     record = d.record()
     assert record["layer_outcomes"]["moved_less"] >= 1 and record["layers_moved"] >= 1
     np.testing.assert_allclose(d.balancedness_after, placement_balancedness(load, d.physical_to_logical_map, W))
-
