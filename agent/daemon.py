@@ -127,6 +127,9 @@ class Daemon:
         self.sources: dict[str, Source] = {}  # integration name -> its polled Source, where its settings configure one
         # group -> (the engine rebalance check pending, the latest window's measured balancedness [L])
         self._rebalance_checks: dict[tuple[str, str], tuple[Any, Any]] = {}
+        # group -> its engine rebalances so far, for /status (engine_rebalance.status_after); replaced,
+        # never changed in place, so the HTTP thread reads a whole one
+        self._rebalance_status: dict[tuple[str, str], dict[str, Any] | None] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -472,6 +475,8 @@ class Daemon:
         pending, verdict = engine_rebalance.step(pending, previous, current, records,
                                                  self.cfg.verify.rollback_balancedness_drop)
         self._rebalance_checks[group.key] = (pending, current)
+        self._rebalance_status[group.key] = engine_rebalance.status_after(
+            self._rebalance_status.get(group.key), records, verdict, window.end_time)
         if verdict is None:
             return
         self.metrics[engine_rebalance_metrics.VERDICTS_TOTAL].inc((*group.key, verdict["verdict"]))
@@ -578,6 +583,7 @@ class Daemon:
         for group in self.store.groups():
             item = group.status()
             item["control"] = self.controller.status(group.key)
+            item["engine_rebalance"] = self._rebalance_status.get(group.key)
             groups.append(item)
         return {"agent": {"version": __version__, "mode": self.cfg.policy.mode, "socket": self.cfg.server.socket,
                           "started_at": self.started_at, "audit_log": self.cfg.log.audit_log,

@@ -57,3 +57,44 @@ def step(pending: PendingCheck | None, previous: np.ndarray | None, current: np.
         if before:
             pending = PendingCheck(before)
     return pending, verdict
+
+
+def _number(value: Any) -> float | None:
+    """A finite number a record carries, else None (the records are the runtime's input)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        return None
+    return float(value)
+
+
+def status_after(status: dict[str, Any] | None, records: Sequence[dict[str, Any]], verdict: dict[str, Any] | None,
+                 window_end: float) -> dict[str, Any] | None:
+    """A group's engine-rebalance status (the agent's /status, `moewatch top`) after one triaged window:
+    calls and fallbacks so far, what the latest decided call did, the latest fallback's error, and the
+    latest check on a next window. A new dict (the HTTP thread reads the old one meanwhile); None
+    while no record has come."""
+    if not records and verdict is None:
+        return status
+    out = dict(status or {"calls": 0, "fallbacks": 0, "checks": 0, "worse": 0})
+    for record in records:
+        out["calls"] += 1
+        out["engine"] = record["engine"]
+        if record.get("fallback") is True:
+            out["fallbacks"] += 1
+            out["last_fallback"] = {"window_end": window_end, "error": str(record.get("error", ""))[:200]}
+            continue
+        outcomes = record.get("layer_outcomes") or {}
+        out["last"] = {
+            "window_end": window_end,
+            "layers_moved": _number(record.get("layers_moved")),
+            "layers_kept": _number(record.get("layers_kept")),
+            "layer_outcomes": {k: v for k, v in outcomes.items() if isinstance(k, str) and _number(v) is not None},
+            "experts_moved": _number(record.get("experts_moved")),
+            **{key: _number(record.get(key)) for key in ("balancedness_before", "balancedness_after",
+                                                         "predicted_stall_seconds", "solve_seconds")},
+        }
+    if verdict is not None:
+        out["checks"] += 1
+        out["worse"] += verdict["verdict"] == "worse"
+        out["last_check"] = {"window_end": window_end, "verdict": verdict["verdict"],
+                             "layers_worse": list(verdict["layers_worse"])}
+    return out
