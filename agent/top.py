@@ -50,6 +50,8 @@ def render(status: dict[str, Any], colour: bool) -> str:
         slo_line = format_slo((g.get("summary") or {}).get("slo"))
         if slo_line:
             lines.append(f"  {slo_line}")
+        for line in format_engine_rebalance(g.get("engine_rebalance"), colour):
+            lines.append(f"  {line}")
         lines.append(f"  {'layer':>5}  {'verdict':<16} {'cause':<12} {'balanced':>8} {'a2a':>5} "
                      f"{'max/mean':>8} {'ms/step':>8}  hot experts")
         for row in g.get("layers", []):
@@ -67,6 +69,43 @@ def render(status: dict[str, Any], colour: bool) -> str:
             lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(entry['time']))} {entry['event']}: "
                          f"{entry.get('reason', '')[:110]}")
     return "\n".join(lines)
+
+
+def _clock(epoch_seconds: float | None) -> str:
+    return "?" if epoch_seconds is None else time.strftime("%H:%M:%S", time.localtime(epoch_seconds))
+
+
+def format_engine_rebalance(status: dict[str, Any] | None, colour: bool) -> list[str]:
+    """The engine's own rebalances with moewatch's policy inside (the agent's status.engine_rebalance):
+    what the latest call did, and how the next window judged it; no lines when there were none."""
+    if not status:
+        return []
+    calls = status.get("calls", 0)
+    head = (f"engine rebalance ({status.get('engine', '?')}, moewatch's policy): {calls} call{'' if calls == 1 else 's'}, "
+            f"{status.get('fallbacks', 0)} answered by the engine's own after an error")
+    last = status.get("last")
+    if last:
+        kept = ", ".join(f"{k} {v:.0f}" for k, v in sorted(last.get("layer_outcomes", {}).items())
+                         if k.startswith("kept") and v)
+        head += (f"; latest {_clock(last.get('window_end'))}: {_num(last.get('layers_moved'), '.0f')} layers moved, "
+                 f"{_num(last.get('layers_kept'), '.0f')} kept{f' ({kept})' if kept else ''}, "
+                 f"{_num(last.get('experts_moved'), '.0f')} slots, balancedness "
+                 f"{_num(last.get('balancedness_before'), '.3f')} -> {_num(last.get('balancedness_after'), '.3f')} "
+                 f"predicted, stall {_num(last.get('predicted_stall_seconds'), '.2f')} s, call "
+                 f"{_num(None if last.get('solve_seconds') is None else last['solve_seconds'] * 1e3, '.1f')} ms")
+    lines = [head]
+    check = status.get("last_check")
+    if check:
+        worse = check.get("verdict") == "worse"
+        verdict = (f"WORSE on layers {', '.join(map(str, check.get('layers_worse', [])))}" if worse else "not worse")
+        if colour and worse:
+            verdict = click.style(verdict, fg="red")
+        lines.append(f"checked on the next window ({status.get('checks', 0)} so far, {status.get('worse', 0)} worse): "
+                     f"latest {_clock(check.get('window_end'))} {verdict}")
+    failed = status.get("last_fallback")
+    if failed:
+        lines.append(f"latest fallback {_clock(failed.get('window_end'))}: {failed.get('error', '')[:100]}")
+    return lines
 
 
 def format_slo(slo: dict[str, Any] | None) -> str:

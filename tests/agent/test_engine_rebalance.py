@@ -123,3 +123,55 @@ def test_the_agent_reports_a_rebalance_that_made_a_layer_worse(helpers, start_ag
     assert len(verdicts) == 1 and verdicts[0]["verdict"] == "worse" and verdicts[0]["layers_worse"] == [0]
     assert daemon.metrics.get("moewatch_engine_rebalance_verdicts_total", (*GROUP, "worse")) == 1
     assert daemon.metrics.get("moewatch_engine_rebalance_layers_worse_total", GROUP) == 1
+    # what an operator reads in /status and `moewatch top`
+    from moewatch.agent.top import fetch_status, render
+
+    status = fetch_status(daemon.http_url)
+    seen = status["groups"][0]["engine_rebalance"]
+    assert seen["calls"] == 1 and seen["fallbacks"] == 0 and seen["checks"] == 1 and seen["worse"] == 1
+    assert seen["last"]["experts_moved"] == 4 and seen["last"]["window_end"] == windows[1].end_time
+    assert seen["last_check"] == {"window_end": windows[2].end_time, "verdict": "worse", "layers_worse": [0]}
+    text = render(status, colour=False)
+    assert "engine rebalance (vllm, moewatch's policy): 1 call, 0 answered" in text
+    assert "1 so far, 1 worse" in text and "WORSE on layers 0" in text
+
+
+def test_the_status_of_engine_rebalances_follows_the_records_and_checks():
+    from moewatch.agent import engine_rebalance as er
+
+    assert er.status_after(None, [], None, 10.0) is None
+    decided = {"engine": "sglang", "layers_moved": 3, "layers_kept": 2, "experts_moved": 40,
+               "layer_outcomes": {"moved": 3, "kept_not_paying": 2, "bad": "x"}, "balancedness_before": 0.8,
+               "balancedness_after": 0.99, "predicted_stall_seconds": float("nan"), "solve_seconds": 0.02}
+    first = er.status_after(None, [decided], None, 10.0)
+    assert first["calls"] == 1 and first["engine"] == "sglang" and first["fallbacks"] == 0
+    assert first["last"]["layer_outcomes"] == {"moved": 3, "kept_not_paying": 2}
+    assert first["last"]["predicted_stall_seconds"] is None  # not a finite number: not shown as one
+    assert first["last"]["balancedness_after"] == 0.99 and first["last"]["window_end"] == 10.0
+    failed = {"engine": "sglang", "fallback": True, "error": "RuntimeError: injected"}
+    second = er.status_after(first, [failed], {"verdict": "not_worse", "layers_worse": []}, 20.0)
+    assert first["calls"] == 1 and "last_check" not in first  # the earlier one is left as it was
+    assert second["calls"] == 2 and second["fallbacks"] == 1 and second["last"] == first["last"]
+    assert second["last_fallback"] == {"window_end": 20.0, "error": "RuntimeError: injected"}
+    assert second["checks"] == 1 and second["worse"] == 0 and second["last_check"]["verdict"] == "not_worse"
+    assert er.status_after(second, [], None, 30.0) is second  # a window without either changes nothing
+
+
+def test_top_shows_the_latest_engine_rebalance_and_its_check():
+    from moewatch.agent.top import format_engine_rebalance
+
+    status = {"engine": "vllm", "calls": 4, "fallbacks": 1, "checks": 3, "worse": 1,
+              "last": {"window_end": 0.0, "layers_moved": 40.0, "layers_kept": 21.0,
+                       "layer_outcomes": {"moved": 40, "kept_no_better": 18, "kept_not_paying": 3},
+                       "experts_moved": 4512.0, "balancedness_before": 0.912, "balancedness_after": 0.994,
+                       "predicted_stall_seconds": 1.2, "solve_seconds": 0.019},
+              "last_check": {"window_end": 0.0, "verdict": "worse", "layers_worse": [3, 7]},
+              "last_fallback": {"window_end": 0.0, "error": "RuntimeError: injected"}}
+    head, check, failed = format_engine_rebalance(status, colour=False)
+    assert head.startswith("engine rebalance (vllm, moewatch's policy): 4 calls, 1 answered by the engine's own")
+    assert ("40 layers moved, 21 kept (kept_no_better 18, kept_not_paying 3), 4512 slots, balancedness "
+            "0.912 -> 0.994 predicted, stall 1.20 s, call 19.0 ms") in head
+    assert check.endswith("WORSE on layers 3, 7") and "(3 so far, 1 worse)" in check
+    assert failed.endswith("RuntimeError: injected")
+    assert "\x1b[" in format_engine_rebalance(status, colour=True)[1]  # worse stands out in a terminal
+    assert format_engine_rebalance(None, colour=False) == []
