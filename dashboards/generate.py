@@ -209,7 +209,53 @@ def overview() -> dash_b.Dashboard:
         ("Serving", [step, tokens]),
         ("Engine SLOs and their MoE attribution", slo),
         ("Agent decisions", [actions, rollbacks]),
+        ("Engine rebalancing with moewatch's policy (MOEWATCH_EPLB=1)", engine_rebalance_panels()),
     ])
+
+
+def engine_rebalance_panels() -> list[Any]:
+    """vLLM's or SGLang's own EPLB calling moewatch's policy (docs/integrations.md): what each call did,
+    what it predicted, and how the next window judged it. Empty where the policy is off."""
+    calls = (series_panel(
+        "Engine rebalance calls", "Calls the engine made to moewatch's policy, per interval: decided by it, or "
+        "(fallback) answered by the engine's own algorithm after an error (the audit log has the error).", "short",
+        [query(f"sum by (engine, result) (increase(moewatch_engine_rebalance_calls_total{{{GROUP_SEL}}}"
+               f"[$__rate_interval]))", "{{engine}} {{result}}", "A")], width=8)
+        .draw_style(common.GraphDrawStyle.BARS))
+    layers = (series_panel(
+        "Layers per rebalance by outcome", "Moved (the full mending), moved_less (a shorter one that paid), "
+        "placed afresh, or kept: no better, not paying for its stall, no load.", "short",
+        [query(f"sum by (outcome) (increase(moewatch_engine_rebalance_layers_total{{{GROUP_SEL}}}"
+               f"[$__rate_interval]))", "{{outcome}}", "A")], width=8)
+        .draw_style(common.GraphDrawStyle.BARS).stacking(common_b.StackingConfig().mode(common.StackingMode.NORMAL)))
+    slots = (series_panel(
+        "Slots moved", "Slots whose expert the engine's rebalances changed, as moewatch's policy decided: the "
+        "expert weights the engine copied.", "short",
+        [query(f"sum by (model, ep_group) (increase(moewatch_engine_rebalance_experts_moved_total{{{GROUP_SEL}}}"
+               f"[$__rate_interval]))", "{{model}}/{{ep_group}}", "A")], width=8)
+        .draw_style(common.GraphDrawStyle.BARS))
+    balance = series_panel(
+        "Predicted balancedness of the latest rebalance", "Mean over layers of mean / max GPU load on the window "
+        "the policy was given: before, the planner's proposal, and after (what the cost gate kept).", "percentunit",
+        [query(f"moewatch_engine_rebalance_balancedness_ratio{{{GROUP_SEL}}}", "{{phase}} {{model}}/{{ep_group}}",
+               "A")], width=8)
+    cost = series_panel(
+        "Predicted stall and call time", "The latest rebalance's predicted stall (its moved slots' bytes over the "
+        "links, MOEWATCH_EPLB_* prices) and how long the policy call took inside the engine.", "s",
+        [query(f"moewatch_engine_rebalance_predicted_stall_seconds{{{GROUP_SEL}}}", "stall {{model}}/{{ep_group}}",
+               "A"),
+         query(f"moewatch_engine_rebalance_solve_seconds{{{GROUP_SEL}}}", "call {{model}}/{{ep_group}}", "B")],
+        width=8)
+    checked = (series_panel(
+        "Checked on the next window", "Each rebalance's moved layers against the window before it: not_worse, "
+        "or worse (measured balancedness fell by more than verify.rollback_balancedness_drop; alert "
+        "MoewatchEngineRebalanceWorse), and how many layers were worse.", "short",
+        [query(f"sum by (verdict) (increase(moewatch_engine_rebalance_verdicts_total{{{GROUP_SEL}}}"
+               f"[$__rate_interval]))", "{{verdict}}", "A"),
+         query(f"sum by (model, ep_group) (increase(moewatch_engine_rebalance_layers_worse_total{{{GROUP_SEL}}}"
+               f"[$__rate_interval]))", "layers worse {{model}}/{{ep_group}}", "B")], width=8)
+        .draw_style(common.GraphDrawStyle.BARS))
+    return [calls, layers, slots, balance, cost, checked]
 
 
 def slo_panels() -> list[Any]:

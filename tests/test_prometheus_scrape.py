@@ -21,6 +21,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -30,11 +31,20 @@ ROOT = Path(__file__).resolve().parents[1]
 RULE_FILES = sorted(ROOT.glob("alerts/*.yml"))
 DEADLINE_S = 45.0  # first samples take 6 s or more; the runtime's start (torch, 2 ranks) comes first
 MODEL, EP_GROUP, LAYERS = "scrape-test", "ep-scrape", 2
+# A second group, sent by the test as an engine would: windows carrying the records of its own EPLB
+# calling moewatch's policy, so the engine rebalance panels are queried with data.
+ENGINE_GROUP = "ep-engine-eplb"
 # Dashboard queries allowed to come back empty from a clean run, and why.
 EMPTY_IN_A_CLEAN_RUN = {
     "moewatch / agent health / Frames rejected per second / A": "no frame is rejected",
     "moewatch / agent health / Per-expert series left out / A": "per-expert series are off by default",
 }
+
+ENGINE_REBALANCE_QUERIES = [f"moewatch / overview / {title} / {ref}"
+                            for title, refs in (("Engine rebalance calls", "A"), ("Layers per rebalance by outcome", "A"),
+                                                ("Slots moved", "A"), ("Predicted balancedness of the latest rebalance", "A"),
+                                                ("Predicted stall and call time", "AB"), ("Checked on the next window", "AB"))
+                            for ref in refs]
 
 pytestmark = pytest.mark.slow
 
@@ -78,6 +88,39 @@ def load_generator():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_agent_test_helpers():
+    """tests/agent/conftest.py's FakeRuntime and make_window (a conftest is not importable by name)."""
+    spec = importlib.util.spec_from_file_location("moewatch_agent_test_helpers", ROOT / "tests" / "agent" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def send_engine_rebalances(sock: Path) -> None:
+    """As an engine with moewatch's EPLB policy would: a window, one carrying a decided call that moved
+    layer 0 and a fallback, then one whose load leaves layer 0 worse (the next-window check)."""
+    helpers = load_agent_test_helpers()
+    W, L, E, P = 4, 2, 8, 12
+    rt = helpers.FakeRuntime(str(sock), world_size=W, num_layers=L, num_experts=E, num_slots=P, model=MODEL,
+                             ep_group=ENGINE_GROUP).connect()
+    pmap = np.arange(P)[None, :].repeat(L, axis=0) % E
+    even = np.full((L, E), 100, dtype=np.int64)
+    skewed = even.copy()
+    skewed[0, 0] = 2000
+    decided = {"engine": "vllm", "fallback": False, "layers_moved": 1, "layers_kept": 1,
+               "layer_outcomes": {"moved": 1, "kept_idle": 1}, "layers_by_reason": {"moved": [0]},
+               "experts_moved": 4, "balancedness_before": 0.8, "balancedness_proposed": 0.99,
+               "balancedness_after": 0.99, "predicted_gain_seconds": 3.0, "predicted_stall_seconds": 0.02,
+               "solve_seconds": 0.01}
+    fallback = {"engine": "vllm", "fallback": True, "error": "RuntimeError: injected"}
+    for i, (load, records) in enumerate([(even, None), (even, [decided, fallback]), (skewed, None)]):
+        w = helpers.make_window(load, pmap, W, start_time=1000.0 + 10 * i, model=MODEL, ep_group=ENGINE_GROUP)
+        if records:
+            w = w.replace(extra={**w.extra, "engine_rebalance": records})
+        rt.send(w)
+    rt.sock.close()
 
 
 def get_json(url: str) -> dict:
@@ -183,6 +226,7 @@ def stack(tmp_path, engine_url):
         # The runtime connects as a client: start it once the agent's socket exists.
         s.wait_for("agent socket", lambda: sock.exists(), time.monotonic() + 30)
         s.procs["runtime"] = start(runtime_command(sock), tmp_path / "runtime.log", tmp_path)
+        send_engine_rebalances(sock)
         yield s
     finally:
         for proc in reversed(list(s.procs.values())):
@@ -254,11 +298,34 @@ def test_prometheus_scrapes_the_agent_and_evaluates_the_rules(stack):
     gen = load_generator()
     values = {"model": MODEL, "ep_group": EP_GROUP, "layer": "0", "instance": stack.agent_addr,
               "__rate_interval": "30s", "__range": "1m", "__interval": "2s"}
-    empty = []
+    # The engine group's series: counters and gauges the agent set once its three windows were triaged.
+    engine_values = {**values, "ep_group": ENGINE_GROUP}
+    stack.wait_for("the engine group's next-window check", lambda: stack.query(
+        f'moewatch_engine_rebalance_verdicts_total{{model="{MODEL}", ep_group="{ENGINE_GROUP}"}} > 0'), deadline)
+
+    def runs_with_series(expr: str, of: dict) -> bool:
+        return bool(stack.query(gen._VARIABLE.sub(lambda m: of[next(g for g in m.groups() if g)], expr)))
+
+    empty, engine_only = [], []
     for name in gen.DASHBOARDS:
         board = json.loads((ROOT / "dashboards" / "json" / name).read_text())
         for where, expr in gen.dashboard_queries(board):
-            if not stack.query(gen._VARIABLE.sub(lambda m: values[next(g for g in m.groups() if g)], expr)):
-                empty.append(where)
+            if runs_with_series(expr, values):
+                continue
+            (engine_only if runs_with_series(expr, engine_values) else empty).append(where)
     assert set(empty) <= set(EMPTY_IN_A_CLEAN_RUN), empty
+    # Only the engine rebalance row needs the engine group, and every query of it has its series.
+    assert set(engine_only) <= set(ENGINE_REBALANCE_QUERIES), engine_only
+    overview = json.loads((ROOT / "dashboards" / "json" / "overview.json").read_text())
+    engine_row = {where: expr for where, expr in gen.dashboard_queries(overview) if where in ENGINE_REBALANCE_QUERIES}
+    assert sorted(engine_row) == sorted(ENGINE_REBALANCE_QUERIES)
+    assert [where for where, expr in engine_row.items() if not runs_with_series(expr, engine_values)] == []
+    # and what they show is what the engine's records said: one call decided, one fallback, 4 slots,
+    # layer 0 worse on the next window
+    calls = {r["metric"]["result"]: float(r["value"][1]) for r in stack.query(
+        f'moewatch_engine_rebalance_calls_total{{model="{MODEL}", ep_group="{ENGINE_GROUP}"}}')}
+    assert calls == {"decided": 1.0, "fallback": 1.0}
+    worse = stack.query(f'moewatch_engine_rebalance_verdicts_total{{model="{MODEL}", ep_group="{ENGINE_GROUP}", '
+                        f'verdict="worse"}}')
+    assert [float(r["value"][1]) for r in worse] == [1.0]
 

@@ -119,6 +119,10 @@ def test_the_three_dashboards_show_what_operators_need():
             "layer:moewatch_layer_a2a_step_seconds:p99_5m", "group:moewatch_step_seconds:p50_5m",
             "group:moewatch_step_seconds:p99_5m", "moewatch_actions_total",
             "moewatch_rollbacks_total"} <= _names(overview)
+    # the engine's own EPLB with moewatch's policy inside: every family the agent exports for it
+    from moewatch.agent.metrics import engine_rebalance
+
+    assert {family.name for family in engine_rebalance.FAMILIES} <= _names(overview)
     assert "state-timeline" in _panel_types(overview)
     assert {"layer:moewatch_layer_a2a_seconds:sum", "moewatch_layer_compute_seconds", "moewatch_rank_load_pairs",
             "moewatch_layer_expert_load_share_bucket", "moewatch_layer_cross_rank_ratio",
