@@ -213,27 +213,29 @@ def overview() -> dash_b.Dashboard:
     ])
 
 
+def increase_bars(title: str, description: str, counter: str, by: str, legend: str) -> timeseries.Panel:
+    """A third-wide bar chart of a counter's increase per interval, summed by `by`."""
+    return series_panel(title, description, "short",
+                        [query(f"sum by ({by}) (increase({counter}{{{GROUP_SEL}}}[$__rate_interval]))", legend, "A")],
+                        width=8).draw_style(common.GraphDrawStyle.BARS)
+
+
 def engine_rebalance_panels() -> list[Any]:
     """vLLM's or SGLang's own EPLB calling moewatch's policy (docs/integrations.md): what each call did,
     what it predicted, and how the next window judged it. Empty where the policy is off."""
-    calls = (series_panel(
+    calls = increase_bars(
         "Engine rebalance calls", "Calls the engine made to moewatch's policy, per interval: decided by it, or "
-        "(fallback) answered by the engine's own algorithm after an error (the audit log has the error).", "short",
-        [query(f"sum by (engine, result) (increase(moewatch_engine_rebalance_calls_total{{{GROUP_SEL}}}"
-               f"[$__rate_interval]))", "{{engine}} {{result}}", "A")], width=8)
-        .draw_style(common.GraphDrawStyle.BARS))
-    layers = (series_panel(
+        "(fallback) answered by the engine's own algorithm after an error (the audit log has the error).",
+        "moewatch_engine_rebalance_calls_total", "engine, result", "{{engine}} {{result}}")
+    layers = increase_bars(
         "Layers per rebalance by outcome", "Moved (the full mending), moved_less (a shorter one that paid), "
-        "placed afresh, or kept: no better, not paying for its stall, no load.", "short",
-        [query(f"sum by (outcome) (increase(moewatch_engine_rebalance_layers_total{{{GROUP_SEL}}}"
-               f"[$__rate_interval]))", "{{outcome}}", "A")], width=8)
-        .draw_style(common.GraphDrawStyle.BARS).stacking(common_b.StackingConfig().mode(common.StackingMode.NORMAL)))
-    slots = (series_panel(
+        "placed afresh, or kept: no better, not paying for its stall, no load.",
+        "moewatch_engine_rebalance_layers_total", "outcome", "{{outcome}}").stacking(
+        common_b.StackingConfig().mode(common.StackingMode.NORMAL))
+    slots = increase_bars(
         "Slots moved", "Slots whose expert the engine's rebalances changed, as moewatch's policy decided: the "
-        "expert weights the engine copied.", "short",
-        [query(f"sum by (model, ep_group) (increase(moewatch_engine_rebalance_experts_moved_total{{{GROUP_SEL}}}"
-               f"[$__rate_interval]))", "{{model}}/{{ep_group}}", "A")], width=8)
-        .draw_style(common.GraphDrawStyle.BARS))
+        "expert weights the engine copied.", "moewatch_engine_rebalance_experts_moved_total", "model, ep_group",
+        "{{model}}/{{ep_group}}")
     balance = series_panel(
         "Predicted balancedness of the latest rebalance", "Mean over layers of mean / max GPU load on the window "
         "the policy was given: before, the planner's proposal, and after (what the cost gate kept).", "percentunit",
