@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .metrics.engine_rebalance import record_number
+
 MOVED_PREFIXES = ("moved", "placed")  # the planner's reasons for a layer whose row changed
 
 
@@ -59,13 +61,6 @@ def step(pending: PendingCheck | None, previous: np.ndarray | None, current: np.
     return pending, verdict
 
 
-def _number(value: Any) -> float | None:
-    """A finite number a record carries, else None (the records are the runtime's input)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
-        return None
-    return float(value)
-
-
 def status_after(status: dict[str, Any] | None, records: Sequence[dict[str, Any]], verdict: dict[str, Any] | None,
                  window_end: float) -> dict[str, Any] | None:
     """A group's engine-rebalance status (the agent's /status, `moewatch top`) after one triaged window:
@@ -85,12 +80,12 @@ def status_after(status: dict[str, Any] | None, records: Sequence[dict[str, Any]
         outcomes = record.get("layer_outcomes") or {}
         out["last"] = {
             "window_end": window_end,
-            "layers_moved": _number(record.get("layers_moved")),
-            "layers_kept": _number(record.get("layers_kept")),
-            "layer_outcomes": {k: v for k, v in outcomes.items() if isinstance(k, str) and _number(v) is not None},
-            "experts_moved": _number(record.get("experts_moved")),
-            **{key: _number(record.get(key)) for key in ("balancedness_before", "balancedness_after",
-                                                         "predicted_stall_seconds", "solve_seconds")},
+            "layers_moved": record_number(record.get("layers_moved")),
+            "layers_kept": record_number(record.get("layers_kept")),
+            "layer_outcomes": {k: v for k, v in outcomes.items() if isinstance(k, str) and record_number(v) is not None},
+            "experts_moved": record_number(record.get("experts_moved")),
+            **{key: record_number(record.get(key))
+               for key in ("balancedness_before", "balancedness_after", "predicted_stall_seconds", "solve_seconds")},
         }
     if verdict is not None:
         out["checks"] += 1

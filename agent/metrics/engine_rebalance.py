@@ -69,10 +69,10 @@ def record_rebalances(state: MetricsState, group: tuple[str, str], records: list
         if result == "fallback":
             continue
         for outcome in OUTCOMES:
-            count = _number(r["layer_outcomes"].get(outcome, 0))
+            count = record_number(r["layer_outcomes"].get(outcome, 0))
             if count:
                 state[LAYERS_TOTAL].inc((*group, outcome), count)
-        moved = _number(r.get("experts_moved"))
+        moved = record_number(r.get("experts_moved"))
         if moved:
             state[EXPERTS_MOVED_TOTAL].inc(group, moved)
         for phase in ("before", "proposed", "after"):
@@ -80,7 +80,7 @@ def record_rebalances(state: MetricsState, group: tuple[str, str], records: list
             if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0:
                 state[BALANCEDNESS].set((*group, phase), value)
         for family, key in ((PREDICTED_STALL, "predicted_stall_seconds"), (SOLVE_SECONDS, "solve_seconds")):
-            value = _number(r.get(key))
+            value = record_number(r.get(key))
             if value is not None:
                 state[family].set(group, value)
 
@@ -92,7 +92,7 @@ def init_group(state: MetricsState, group: tuple[str, str]) -> None:
         state[VERDICTS_TOTAL].inc((*group, verdict), 0)
 
 
-def _number(value: Any) -> float | None:
+def record_number(value: Any) -> float | None:
     """A finite, non-negative number from a record, else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         return None
