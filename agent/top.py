@@ -66,12 +66,13 @@ def render(status: dict[str, Any], colour: bool) -> str:
         for entry in ctl.get("recent", [])[-5:]:
             if entry.get("event") == "decision" and entry.get("result") == "skipped":
                 continue
-            lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(entry['time']))} {entry['event']}: "
+            lines.append(f"  {_clock(entry['time'])} {entry['event']}: "
                          f"{entry.get('reason', '')[:110]}")
     return "\n".join(lines)
 
 
 def _clock(epoch_seconds: float | None) -> str:
+    """A time of day as the view shows it (local time), `?` when unknown."""
     return "?" if epoch_seconds is None else time.strftime("%H:%M:%S", time.localtime(epoch_seconds))
 
 

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from moewatch.agent import catalog
+from moewatch.planner.placement_math import contiguous_placement
 
 ROOT = Path(__file__).resolve().parents[1]
 RULE_FILES = sorted(ROOT.glob("alerts/*.yml"))
@@ -83,16 +84,9 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-def load_generator():
-    spec = importlib.util.spec_from_file_location("moewatch_dashboards_generate", ROOT / "dashboards" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_agent_test_helpers():
-    """tests/agent/conftest.py's FakeRuntime and make_window (a conftest is not importable by name)."""
-    spec = importlib.util.spec_from_file_location("moewatch_agent_test_helpers", ROOT / "tests" / "agent" / "conftest.py")
+def load_by_path(relative: str, name: str):
+    """A module from its file (dashboards/generate.py is a script; a conftest is not importable by name)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -101,11 +95,12 @@ def load_agent_test_helpers():
 def send_engine_rebalances(sock: Path) -> None:
     """As an engine with moewatch's EPLB policy would: a window, one carrying a decided call that moved
     layer 0 and a fallback, then one whose load leaves layer 0 worse (the next-window check)."""
-    helpers = load_agent_test_helpers()
+    # tests/agent/conftest.py's FakeRuntime and make_window
+    helpers = load_by_path("tests/agent/conftest.py", "moewatch_agent_test_helpers")
     W, L, E, P = 4, 2, 8, 12
     rt = helpers.FakeRuntime(str(sock), world_size=W, num_layers=L, num_experts=E, num_slots=P, model=MODEL,
                              ep_group=ENGINE_GROUP).connect()
-    pmap = np.arange(P)[None, :].repeat(L, axis=0) % E
+    pmap = contiguous_placement(L, E, P)
     even = np.full((L, E), 100, dtype=np.int64)
     skewed = even.copy()
     skewed[0, 0] = 2000
@@ -295,7 +290,7 @@ def test_prometheus_scrapes_the_agent_and_evaluates_the_rules(stack):
 
     # Every dashboard query, with its variables set to this run's group, layer 0 and this agent,
     # runs on the real server and, but for the few that a clean run leaves empty, returns series.
-    gen = load_generator()
+    gen = load_by_path("dashboards/generate.py", "moewatch_dashboards_generate")
     values = {"model": MODEL, "ep_group": EP_GROUP, "layer": "0", "instance": stack.agent_addr,
               "__rate_interval": "30s", "__range": "1m", "__interval": "2s"}
     # The engine group's series: counters and gauges the agent set once its three windows were triaged.
