@@ -5,7 +5,8 @@
 #   run: bash scripts/gpu_check.sh [--quick]   (not yet run on a GPU: time it the first time)
 # Results: $OUT/gpu_check.json (kernel match and speed, NCCL EP checks, probe overhead on the GPU, the
 # engine adapters' no-sync step clock eager and under a CUDA graph: engine_clock; moewatch's EPLB policy
-# on device-resident inputs against the same inputs on the CPU: engine_policy)
+# on device-resident inputs against the same inputs on the CPU, and with two GPUs and vLLM installed a
+# short vLLM run with EPLB and the policy: engine_policy)
 # and $OUT/env.txt. Exit status is gpu_check's: 0 only when every check passed.
 set -uo pipefail
 OUT="${OUT:-/tmp/moewatch-gpu}"

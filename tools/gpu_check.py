@@ -4,9 +4,9 @@ Prints one JSON object: NCCL (EP output against the single-process reference, pr
 CUDA events, a live placement change, a stale plan, an injected migration failure), the Triton grouped
 GEMM against the torch path on the device (match and speed), the probe's overhead ratio on the GPU,
 the engine adapters' no-sync step clock (eager and under a CUDA graph, with sync debug mode "error"),
-moewatch's EPLB policy as vLLM and SGLang call it at production shape on device-resident inputs,
-the runtime end to end with each kernel, and the closed loop (`moewatch bench loop --backend nccl`:
-step time before and after the agent acts on a hot-expert skew, against an observe-mode control; it
+moewatch's EPLB policy as vLLM and SGLang call it at production shape on device-resident inputs
+(and, with two GPUs and vLLM, a short vLLM run with EPLB and the policy), the runtime end to end
+with each kernel, and the closed loop (`moewatch bench loop --backend nccl`: step time before and after the agent acts on a hot-expert skew, against an observe-mode control; it
 needs two GPUs or more, and is reported as not run on one). `ok` is true only when every check that
 ran passed. Ranks: one per visible GPU (NCCL refuses two ranks on one device). Exit status 0 when ok,
 1 otherwise, 2 without CUDA.
@@ -24,6 +24,8 @@ import traceback
 
 import numpy as np
 import torch
+
+from moewatch.tools import vllm_eplb_run
 
 
 def _timed(fn, reps: int = 20) -> float:
@@ -215,9 +217,10 @@ def engine_policy(device: str = "cuda", quick: bool = False) -> dict:
     experts, 320 slots, 64 ranks on 8 nodes), on inputs resident on `device`: each adapter's answer
     from device tensors must equal its answer from the same values on the CPU, byte for byte, and be
     a map the engine accepts. Call seconds are reported, not judged (no engine policy runs here to
-    compare with: `moewatch bench eplb` does that). A vLLM server run with EPLB and the policy (two
-    GPUs or more) is not part of this check: it was never built, as no machine this project is
-    developed on has two GPUs; the result says so and how many GPUs it saw."""
+    compare with: `moewatch bench eplb` does that). With two GPUs or more and vLLM importable, a short
+    vLLM run with EPLB and the policy follows (tools/vllm_eplb_run.py: the windows must show the map
+    changing by moewatch's decisions and balancedness rising); never run, as no machine this project
+    is developed on has two GPUs. Without them the result says what it lacked."""
     from moewatch.planner.placement_math import contiguous_placement
     from moewatch.planner.rebalance import RebalanceSettings
     from moewatch.runtime.engines import sglang_eplb, vllm_eplb
@@ -252,12 +255,22 @@ def engine_policy(device: str = "cuda", quick: bool = False) -> dict:
                           "slots_moved": int((got != current).sum())})
             current = got
         out[engine] = {"calls": calls, "ok": all(c["same_as_cpu"] for c in calls)}
-    gpus = torch.cuda.device_count() if device == "cuda" else 0
-    out["vllm_run"] = {"ran": False, "gpus": gpus,
-                       "why": "not built: a vLLM server with EPLB needs two GPUs or more, which no machine this "
-                              "project is developed on has"}
-    out["ok"] = out["vllm"]["ok"] and out["sglang"]["ok"]
+    out["vllm_run"] = vllm_eplb_part(torch.cuda.device_count() if device == "cuda" else 0)
+    out["ok"] = out["vllm"]["ok"] and out["sglang"]["ok"] and out["vllm_run"]["ok"] is not False
     return out
+
+
+def vllm_eplb_part(gpus: int) -> dict:
+    """The vLLM run with EPLB and moewatch's policy where it can run (two GPUs, vLLM in this
+    Python), else why not (ok None: not run, not failed)."""
+    import importlib.util
+
+    if gpus < vllm_eplb_run.RANKS:
+        return {"ran": False, "ok": None, "gpus": gpus,
+                "why": f"needs {vllm_eplb_run.RANKS} GPUs or more (vLLM's EPLB needs more than one rank); saw {gpus}"}
+    if importlib.util.find_spec("vllm") is None:
+        return {"ran": False, "ok": None, "gpus": gpus, "why": "vLLM is not installed in this Python"}
+    return {"gpus": gpus, **vllm_eplb_run.run(sys.executable)}
 
 
 def end_to_end(world_size: int) -> dict:

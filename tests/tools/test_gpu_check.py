@@ -45,5 +45,6 @@ def test_engine_policy_part_runs_on_the_cpu_path_and_compares_bytes():
         calls = out[engine]["calls"]
         assert len(calls) == 2 and all(c["same_as_cpu"] for c in calls)
         assert calls[0]["slots_moved"] > 0  # the first window moves away from the engines' start
-    assert out["vllm_run"] == {"ran": False, "gpus": 0, "why": out["vllm_run"]["why"]}
-    assert out["vllm_run"]["why"].startswith("not built") and "two GPUs" in out["vllm_run"]["why"]
+    # the vLLM run with EPLB needs two GPUs: not run here, which is not a failure of the part
+    assert out["vllm_run"] == {"ran": False, "ok": None, "gpus": 0, "why": out["vllm_run"]["why"]}
+    assert "needs 2 GPUs" in out["vllm_run"]["why"]

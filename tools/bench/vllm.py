@@ -30,10 +30,12 @@ from moewatch.cli_contract import OneLineCommand
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 
 
-def save_random_moe(config, folder, seed: int = 0) -> None:
+def save_random_moe(config, folder, seed: int = 0, hot_experts: tuple[int, ...] = (), hot_scale: float = 1.0) -> None:
     """A transformers MoE model built from `config` with random weights, saved to `folder`. The router
     gates get unit-normal weights so that routing spreads over the experts (the default init routes
-    almost uniformly); the same seed gives the same model."""
+    almost uniformly); the gate rows of `hot_experts` are then scaled by `hot_scale` (a wider
+    spread of an expert's logits wins it more of the top-k: hot experts). The same seed gives the
+    same model."""
     import torch
     import transformers
 
@@ -41,13 +43,16 @@ def save_random_moe(config, folder, seed: int = 0) -> None:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".gate.weight"):
+            if name.endswith(".gate.weight"):  # [E, hidden]: one row per expert
                 param.normal_(0.0, 1.0)
+                param[list(hot_experts)] *= hot_scale
     model.save_pretrained(folder)
 
 
-def save_tiny_model(folder: str, seed: int = 0, layers: int = 4, experts: int = 16) -> None:
-    """A small Qwen3-MoE with random weights (distinct per layer), saved by transformers."""
+def save_tiny_model(folder: str, seed: int = 0, layers: int = 4, experts: int = 16,
+                    hot_experts: tuple[int, ...] = (), hot_scale: float = 1.0) -> None:
+    """A small Qwen3-MoE with random weights (distinct per layer), saved by transformers; see
+    save_random_moe for the hot experts."""
     import transformers
 
     config = transformers.Qwen3MoeConfig(
@@ -55,7 +60,7 @@ def save_tiny_model(folder: str, seed: int = 0, layers: int = 4, experts: int = 
         num_key_value_heads=2, head_dim=64, max_position_embeddings=512, num_experts=experts,
         num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
         norm_topk_prob=True, tie_word_embeddings=False)
-    save_random_moe(config, folder, seed)
+    save_random_moe(config, folder, seed, hot_experts, hot_scale)
 
 
 def recorder_seconds_per_step(layers: int = 4, experts: int = 16, top_k: int = 2, tokens: int = 64,
