@@ -12,8 +12,10 @@ measured before the first.
 
 Never run on GPUs: no machine this project is developed on has two. Its CPU path (tests/tools/
 test_vllm_eplb_run.py) runs the same model, prompts, engine process and window reading on vLLM's
-CPU build with EPLB off (vLLM refuses EPLB without CUDA): what a GPU run adds is the EPLB settings
-and the slot counts they bring into the windows.
+CPU build with EPLB off, on one rank (vLLM refuses EPLB without CUDA, and its CPU fused-MoE kernel
+crashes with expert parallelism: a segmentation fault in cpu_fused_moe.cpp, vLLM 0.32.0, two ranks
+here): what a GPU run adds is the two ranks, expert parallelism, EPLB and the slot counts it brings
+into the windows.
 """
 
 from __future__ import annotations
