@@ -97,7 +97,7 @@ def run(python: str, ranks: int = RANKS, eplb: bool = True, rounds: int = 4, pro
         model = root / "model"
         build = (f"from moewatch.tools.bench.vllm import save_tiny_model as s; s({str(model)!r}, layers={LAYERS}, "
                  f"experts={EXPERTS}, hot_experts={HOT_EXPERTS}, hot_scale={HOT_GATE_SCALE})")
-        subprocess.run([python, "-c", build], check=True, capture_output=True, timeout=timeout_s)
+        subprocess.run([python, "-c", build], check=True, capture_output=True, timeout=min(timeout_s, 120.0))
         rng = np.random.default_rng(0)
         (root / "prompts.json").write_text(json.dumps(rng.integers(0, 1024, (prompts, prompt_len)).tolist()))
         env = engine_environment(root / "windows", eplb, root / "cache", model)
