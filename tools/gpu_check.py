@@ -6,8 +6,9 @@ GEMM against the torch path on the device (match and speed), the probe's overhea
 the engine adapters' no-sync step clock (eager and under a CUDA graph, with sync debug mode "error"),
 moewatch's EPLB policy as vLLM and SGLang call it at production shape on device-resident inputs
 (and, with two GPUs and vLLM, a short vLLM run with EPLB and the policy), the runtime end to end
-with each kernel, and the closed loop (`moewatch bench loop --backend nccl`: step time before and after the agent acts on a hot-expert skew, against an observe-mode control; it
-needs two GPUs or more, and is reported as not run on one). `ok` is true only when every check that
+with each kernel, and the closed loop (`moewatch bench loop --backend nccl`: step time before and
+after the agent acts on a hot-expert skew, against an observe-mode control; it needs two GPUs or
+more, and is reported as not run on one). `ok` is true only when every check that
 ran passed. Ranks: one per visible GPU (NCCL refuses two ranks on one device). Exit status 0 when ok,
 1 otherwise, 2 without CUDA.
 """
