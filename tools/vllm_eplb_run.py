@@ -7,8 +7,8 @@ busier; served on two ranks with `enable_expert_parallel`, `enable_eplb` (2 redu
 experts, a rebalance every STEP_INTERVAL steps over a window of WINDOW_SIZE) and MOEWATCH_EPLB=1,
 the plugin writing a window every WINDOW_STEPS steps. What the windows must show (`verdict`): the
 map in force changing, each change decided by moewatch's policy (the windows' engine_rebalance
-records, none a fallback), and the balancedness measured after the last change above the one
-measured before the first.
+records, none a fallback), the agent's own next-window check of those rebalances finding no layer
+worse, and the balancedness measured after the last change above the one measured before the first.
 
 Never run on GPUs: no machine this project is developed on has two. Its CPU path (tests/tools/
 test_vllm_eplb_run.py) runs the same model, prompts, engine process and window reading on vLLM's
@@ -119,21 +119,34 @@ def run(python: str, ranks: int = RANKS, eplb: bool = True, rounds: int = 4, pro
 def verdict(windows: Sequence) -> dict:
     """Windows in the order written -> what they show of the engine's rebalancing: the map's changes
     (windows whose map in force differs from the previous window's), the policy's records (decided,
-    fallbacks), the mean over layers of the measured balancedness before the first change and after
-    the last, and ok when the map changed, no record was a fallback, every layer a change touched was
-    moved by a decided record in that window or an earlier one (vLLM may migrate one rebalance's
-    layers over several steps), and the balancedness after is above the one before."""
-    from moewatch.agent.engine_rebalance import moved_layers
+    fallbacks; read as the agent reads them), the agent's own next-window checks replayed over the
+    windows as its daemon runs them (engine_rebalance.step, the default drop), the mean over layers
+    of the measured balancedness before the first change and after the last, and ok when the map
+    changed, no record was a fallback, every layer a change touched was moved by a decided record in
+    that window or an earlier one (vLLM may migrate one rebalance's layers over several steps), the
+    agent settled at least one check and found no layer worse, and the balancedness after is above
+    the one before."""
+    from moewatch.agent import engine_rebalance
+    from moewatch.agent.config import VerifySettings
+    from moewatch.agent.metrics.engine_rebalance import records_of
     from moewatch.telemetry import balancedness
 
     # a window of logical counts only carries the identity map: the map in force comes with slot counts
     maps = [w.physical_to_logical_map if w.slot_tokens is not None else None for w in windows]
     measured = [balancedness(w) for w in windows]
-    records = [list(w.extra.get("engine_rebalance") or []) for w in windows]
+    records = [records_of(w) for w in windows]
     decided = sum(1 for rs in records for r in rs if r.get("fallback") is not True)
     fallbacks = sum(1 for rs in records for r in rs if r.get("fallback") is True)
+    checks = {"not_worse": 0, "worse": 0}
+    pending, previous, drop = None, None, VerifySettings().rollback_balancedness_drop
+    for current, rs in zip(measured, records):
+        pending, check = engine_rebalance.step(pending, previous, current, rs, drop)
+        previous = current
+        if check is not None:
+            checks[check["verdict"]] += 1
     out: dict[str, Any] = {"windows": len(windows), "decided": decided, "fallbacks": fallbacks, "changes": [],
-                           "balancedness_before": None, "balancedness_after": None, "ok": False}
+                           "agent_checks": checks, "balancedness_before": None, "balancedness_after": None,
+                           "ok": False}
     with_map = [i for i, m in enumerate(maps) if m is not None]
     if not with_map:
         out["why"] = "no window carries the map in force and its slot counts (EPLB off, or not on a GPU)"
@@ -141,7 +154,7 @@ def verdict(windows: Sequence) -> dict:
     unexplained = []
     moved_so_far: set[int] = set()  # a record rides the window flushed after its call; its map comes in after
     for i in range(len(windows)):
-        moved_so_far.update(moved_layers(records[i]))
+        moved_so_far.update(engine_rebalance.moved_layers(records[i]))
         if i == 0 or maps[i] is None or maps[i - 1] is None or np.array_equal(maps[i], maps[i - 1]):
             continue
         layers = [int(x) for x in np.flatnonzero((maps[i] != maps[i - 1]).any(axis=1))]
@@ -164,6 +177,10 @@ def verdict(windows: Sequence) -> dict:
         problems.append(f"{fallbacks} rebalance(s) answered by vLLM's own policy")
     if unexplained:
         problems.append(f"map changes in windows {unexplained} on layers no decided record moved")
+    if checks["worse"]:
+        problems.append(f"the agent found layers worse after {checks['worse']} rebalance(s)")
+    elif not checks["not_worse"]:
+        problems.append("the agent settled no check of a rebalance")
     if out["balancedness_after"] <= out["balancedness_before"]:
         problems.append("balancedness did not rise")
     out["ok"] = not problems

@@ -37,7 +37,10 @@ def window(pmap: np.ndarray | None, slot_share_rank0: float, records: list | Non
                           extra={"engine_rebalance": records or []})
 
 
-MOVED_ALL = {"layers_by_reason": {"moved": list(range(LAYERS))}, "slots_moved": 12}
+# as the policy writes them (rebalance_hook: the engine, then RebalanceDecision.record())
+MOVED_ALL = {"engine": "vllm", "layers_by_reason": {"moved": list(range(LAYERS))},
+             "layer_outcomes": {"moved": LAYERS}}
+FALLBACK = {"engine": "vllm", "fallback": True, "error": "ValueError: boom"}
 
 
 def test_a_decided_rebalance_that_raised_balancedness_passes():
@@ -46,6 +49,7 @@ def test_a_decided_rebalance_that_raised_balancedness_passes():
     assert out["ok"], out
     assert out["changes"] == [{"window": 2, "layers": [0, 1, 2]}]
     assert out["decided"] == 1 and out["fallbacks"] == 0
+    assert out["agent_checks"] == {"not_worse": 1, "worse": 0}  # settled on window 2 against window 1
     assert out["balancedness_before"] == pytest.approx(0.625, abs=1e-3)  # mean / max of 800 and 200
     assert out["balancedness_after"] > 0.95
 
@@ -53,7 +57,7 @@ def test_a_decided_rebalance_that_raised_balancedness_passes():
 def test_a_layer_moved_over_several_windows_is_explained_by_the_one_record():
     half = START.copy()
     half[0] = BALANCED[0]
-    windows = [window(START, 0.8, [MOVED_ALL]), window(half, 0.7), window(BALANCED, 0.5)]
+    windows = [window(START, 0.8), window(START, 0.8, [MOVED_ALL]), window(half, 0.7), window(BALANCED, 0.5)]
     out = verdict(windows)
     assert out["ok"], out
     assert [c["layers"] for c in out["changes"]] == [[0], [1, 2]]
@@ -62,10 +66,18 @@ def test_a_layer_moved_over_several_windows_is_explained_by_the_one_record():
 def test_what_the_windows_fail_to_show_is_named():
     no_record = verdict([window(START, 0.8), window(BALANCED, 0.5)])
     assert not no_record["ok"] and "no decided record moved" in no_record["why"]
-    fallback = verdict([window(START, 0.8, [MOVED_ALL, {"fallback": True, "error": "boom"}]), window(BALANCED, 0.5)])
+    fallback = verdict([window(START, 0.8), window(START, 0.8, [MOVED_ALL, FALLBACK]), window(BALANCED, 0.5)])
     assert not fallback["ok"] and "answered by vLLM's own policy" in fallback["why"]
-    worse = verdict([window(START, 0.55, [MOVED_ALL]), window(BALANCED, 0.8)])
-    assert not worse["ok"] and worse["why"] == "balancedness did not rise"
+    worse = verdict([window(START, 0.55), window(START, 0.55, [MOVED_ALL]), window(BALANCED, 0.8)])
+    assert not worse["ok"] and worse["agent_checks"] == {"not_worse": 0, "worse": 1}
+    assert worse["why"] == "the agent found layers worse after 1 rebalance(s); balancedness did not rise"
+    # moved on the first window: the agent has no window before it to check against
+    unchecked = verdict([window(START, 0.8, [MOVED_ALL]), window(BALANCED, 0.5)])
+    assert not unchecked["ok"] and unchecked["why"] == "the agent settled no check of a rebalance"
+    # records the agent would not read (no engine) explain nothing
+    malformed = verdict([window(START, 0.8), window(START, 0.8, [{"layers_by_reason": {"moved": [0, 1, 2]}}]),
+                         window(BALANCED, 0.5)])
+    assert not malformed["ok"] and "no decided record moved" in malformed["why"]
     still = verdict([window(START, 0.8), window(START, 0.8)])
     assert not still["ok"] and "never changed over 2 windows" in still["why"]
     off = verdict([window(None, 0.8), window(None, 0.8)])
