@@ -91,13 +91,13 @@ def run(python: str, ranks: int = RANKS, eplb: bool = True, rounds: int = 4, pro
     moewatch), read the windows the plugin wrote -> {"ran", "served" (tokens and seconds per round),
     "windows", "expert_pairs" ([L, E] pairs the windows counted), "verdict", "ok"}."""
     from moewatch.telemetry import Window
+    from moewatch.tools.bench.vllm import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="moewatch-vllm-eplb-") as tmp:
         root = Path(tmp)
         model = root / "model"
-        build = (f"from moewatch.tools.bench.vllm import save_tiny_model as s; s({str(model)!r}, layers={LAYERS}, "
-                 f"experts={EXPERTS}, hot_experts={HOT_EXPERTS}, hot_scale={HOT_GATE_SCALE})")
-        subprocess.run([python, "-c", build], check=True, capture_output=True, timeout=min(timeout_s, 120.0))
+        build_tiny_model(python, model, min(timeout_s, 120.0), layers=LAYERS, experts=EXPERTS,
+                         hot_experts=HOT_EXPERTS, hot_scale=HOT_GATE_SCALE)
         rng = np.random.default_rng(0)
         (root / "prompts.json").write_text(json.dumps(rng.integers(0, 1024, (prompts, prompt_len)).tolist()))
         env = engine_environment(root / "windows", eplb, root / "cache", model)
@@ -196,9 +196,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("model")
     parser.add_argument("prompts")
     parser.add_argument("out")
-    parser.add_argument("--ranks", type=int, default=RANKS)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    # run() passes every option: the engine process has no defaults of its own to drift from run()'s
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--max-tokens", type=int, required=True)
     parser.add_argument("--eplb", action="store_true")
     args = parser.parse_args(argv)
     serve(args.model, args.prompts, args.out, args.ranks, args.eplb, args.rounds, args.max_tokens)

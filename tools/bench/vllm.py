@@ -63,6 +63,14 @@ def save_tiny_model(folder: str, seed: int = 0, layers: int = 4, experts: int = 
     save_random_moe(config, folder, seed, hot_experts, hot_scale)
 
 
+def build_tiny_model(python: str, folder: str, timeout_s: float | None = None, **options) -> None:
+    """save_tiny_model(folder, **options) run by `python` (the engine's environment, which has
+    transformers); raises subprocess.CalledProcessError or TimeoutExpired."""
+    arguments = ", ".join([repr(str(folder))] + [f"{name}={value!r}" for name, value in options.items()])
+    subprocess.run([python, "-c", f"from moewatch.tools.bench.vllm import save_tiny_model as s; s({arguments})"],
+                   check=True, capture_output=True, timeout=timeout_s)
+
+
 def recorder_seconds_per_step(layers: int = 4, experts: int = 16, top_k: int = 2, tokens: int = 64,
                               window_steps: int = 20, steps: int = 2000) -> float:
     """The plugin's own work per step, timed alone on this machine: arming and disarming the pair
@@ -164,8 +172,7 @@ def vllm(python: str, model: str | None, rounds: int, num_prompts: int, prompt_l
         if model is None:
             click.echo("building a tiny random Qwen3-MoE ...", err=True)
             model = str(Path(tmp) / "model")
-            subprocess.run([python, "-c", f"from moewatch.tools.bench.vllm import save_tiny_model as s; s({model!r})"],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            build_tiny_model(python, model)
         rng = random.Random(0)
         prompts = [[rng.randrange(1024) for _ in range(prompt_len)] for _ in range(num_prompts)]
         prompts_path = Path(tmp) / "prompts.json"
