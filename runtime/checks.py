@@ -201,3 +201,23 @@ def window_facts(window_dict: dict, steps: int, top_k: int) -> dict:
     }
     facts["ok"] = w.steps == steps and facts["timed"] and facts["phases_inside_layer"] and facts["pairs_counted"]
     return facts
+
+
+def exchange_outputs(rank: int, world_size: int, cfg: RuntimeConfig, schedules: tuple[str, ...], steps: int) -> dict:
+    """Each schedule's outputs on the same batches (steps x every layer), with a fresh engine each.
+
+    Returns, per schedule: every rank's outputs of every step (gathered on rank 0, None elsewhere),
+    how many dispatches ran as planned rounds, and the largest number of rounds one exchange took.
+    """
+    device = _device(cfg, rank)
+    report = {}
+    for schedule in schedules:
+        engine = EPEngine(cfg.replace(a2a_schedule=schedule), rank, world_size, device=device)
+        outputs = []
+        for step in range(steps):
+            x, valid, ids = _batch(cfg, rank, step)
+            outputs.append(engine.forward(x, valid, ids).cpu())
+        gathered = _gather(outputs, world_size)
+        report[schedule] = {"outputs": gathered if rank == 0 else None, "planned": engine.exchange.planned,
+                            "most_rounds": engine.exchange.most_rounds}
+    return report if rank == 0 else None

@@ -86,6 +86,13 @@ def execution_options(command):
               help="How many times as long the slow rank's expert compute takes (>= 1).")
 @click.option("--slowdown-file", "slowdown_file", type=click.Path(dir_okay=False), default=None,
               help='JSON {"<rank>": factor}, re-read live when it changes; overrides --slow-rank.')
+@click.option("--a2a-schedule", "a2a_schedule", type=click.Choice(["none", "aurora"]), default="none",
+              show_default=True,
+              help="aurora: move the all-to-all's rows in rounds where each rank sends to one rank and receives "
+                   "from one (Aurora's order); outputs unchanged.")
+@click.option("--link-rate", "link_rate_mbit", type=float, default=None,
+              help="Emulated links (root, ip and tc): each rank in its own network namespace, its link shaped "
+                   "to this many Mbit/s each way; the measured rates give each layer's all-to-all bound.")
 @click.option("--model-name", "model_name", default="moewatch-ref", show_default=True)
 @click.option("--ep-group", "ep_group", default="ep0", show_default=True)
 @execution_options

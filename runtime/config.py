@@ -23,6 +23,7 @@ SCORES = ("softmax", "sigmoid")
 KERNELS = ("torch", "triton")
 BACKENDS = ("gloo", "nccl")
 DTYPES = ("float32", "bfloat16", "float16")
+A2A_SCHEDULES = ("none", "aurora")
 
 
 @dataclass
@@ -91,6 +92,14 @@ class RuntimeConfig:
     slow_factor: float = 1.0
     # JSON {"<rank>": factor}, re-read at step boundaries when its mtime changes; overrides the two above
     slowdown_file: str | None = None
+    # --- the all-to-all and its links (runtime/dispatch.py, runtime/netlinks.py) --------------------
+    a2a_schedule: str = "none"  # "aurora": Aurora's point-to-point rounds instead of one collective
+    # Each rank in its own network namespace, its link shaped to this many Mbit/s each way (root only)
+    link_rate_mbit: float | None = None
+    # [W] bytes per second each rank's link carries (measured by the emulated links, or declared for
+    # real ones): with it, each layer's all-to-all bound goes into the windows; None: bound absent
+    link_bytes_per_second: list | None = None
+    a2a_log: bool = False  # keep every row exchange's span and bound (benchmarks; grows with steps)
 
     # --- derived -----------------------------------------------------------------------------------
     @property
@@ -145,6 +154,7 @@ def validate(cfg: RuntimeConfig) -> RuntimeConfig:
     _choice(cfg, "kernel", KERNELS)
     _choice(cfg, "backend", BACKENDS)
     _choice(cfg, "dtype", DTYPES)
+    _choice(cfg, "a2a_schedule", A2A_SCHEDULES)
 
     W, E, P, k = cfg.ranks, cfg.experts, cfg.num_slots, cfg.top_k
     if k > E:
@@ -220,6 +230,19 @@ def validate(cfg: RuntimeConfig) -> RuntimeConfig:
             raise ConfigError("slow_rank", f"rank {cfg.slow_rank} is not one of the {W} ranks")
     if cfg.slowdown_file is not None and (not isinstance(cfg.slowdown_file, str) or not cfg.slowdown_file):
         raise ConfigError("slowdown_file", "expected a file path")
+    if cfg.link_rate_mbit is not None:
+        _finite(cfg, "link_rate_mbit", lower=1.0)
+        if cfg.backend != "gloo":
+            raise ConfigError("link_rate_mbit", "emulated links carry gloo's TCP traffic: use --backend gloo")
+        if cfg.socket is not None and cfg.socket.startswith("tcp://"):
+            raise ConfigError("link_rate_mbit", "ranks in their own network namespaces reach the agent "
+                                                "only over a unix socket path, not tcp://")
+    if cfg.link_bytes_per_second is not None:
+        rates = cfg.link_bytes_per_second
+        if (not isinstance(rates, (list, tuple)) or len(rates) != W
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                           for v in rates)):
+            raise ConfigError("link_bytes_per_second", f"expected {W} positive finite rates, one per rank")
     for item in cfg.scripted_plans:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], dict)):
             raise ConfigError("scripted_plans", "expected (step, plan dict) pairs")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .dispatch import combine, dispatch
+from .dispatch import Exchange, ExchangeLog, combine, dispatch
 from .kernels import grouped_swiglu
 from .model import ModelSpec, combine_pairs, init_experts, init_router, rms_norm, route_layer
 from .placement import ReplicaTable, replica_table
@@ -69,6 +69,10 @@ class EPEngine:
         pmap = cfg.initial_placement()
         self.layers = [self.build_layer(layer, pmap[layer]) for layer in range(cfg.layers)]
         self.pairs = PairCounts()
+        # How rows cross the group (cfg.a2a_schedule; a Plan may switch it at a step boundary). With
+        # known link rates the whole count matrix is gathered so each layer's bound is known.
+        self.exchange = Exchange(cfg.a2a_schedule, full_matrix=cfg.link_bytes_per_second is not None,
+                                 log=ExchangeLog() if cfg.a2a_log else None)
         # When a list: every layer's (layer, LayerRouting, CapacityAssignment, slot_counts) is appended
         # (self-checks compare the probe with counts derived from these).
         self.routing_log: list | None = None
@@ -123,8 +127,9 @@ class EPEngine:
                                         real_tokens)
             if probe is not None:
                 probe.mark(layer, Mark.DISPATCH_START)
+            self.exchange.layer = layer
             sent = dispatch(x_norm, routing.assigned, self.rank, self.world_size, state.table, self.num_slots,
-                            self.group)
+                            self.group, self.exchange)
             if probe is not None:
                 probe.mark(layer, Mark.DISPATCH_END)
             if self.slow_factor > 1.0:
@@ -134,7 +139,7 @@ class EPEngine:
                 expert_out = self.expert_compute(sent.rows, sent.segment_counts, state.w13, state.w2)
             if probe is not None:
                 probe.mark(layer, Mark.COMPUTE_END)
-            pair_outputs = combine(expert_out, sent, num_tokens, top_k, self.group)
+            pair_outputs = combine(expert_out, sent, num_tokens, top_k, self.group, self.exchange, self.rank)
             x = combine_pairs(x, routing.weights, pair_outputs)
             if probe is not None:
                 probe.mark(layer, Mark.LAYER_END)
