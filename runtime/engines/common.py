@@ -94,18 +94,54 @@ class PairCounter:
     host between steps: ones over the real tokens of a real step, zeros otherwise, so warm-up,
     profiling, dummy runs and padded tokens add nothing."""
 
-    def __init__(self, num_experts: int, weights: torch.Tensor, num_slots: int = 0):
-        self.counts = torch.zeros(num_experts, dtype=torch.int64, device=weights.device)
-        self.slot_counts = torch.zeros(num_slots, dtype=torch.int64, device=weights.device) if num_slots else None
-        self.weights = weights
+    def __init__(self, num_experts: int, weights: "PairWeights | torch.Tensor", num_slots: int = 0):
+        if isinstance(weights, PairWeights):
+            self.weights, self.top_k, self._scratch = weights.tensor, weights.top_k, weights.scratch
+            self._zero_weight = weights.zero_weight
+        else:  # a bare weight buffer: ids are taken as they come, with scratch of its own
+            self.weights, self.top_k = weights, None
+            self._scratch = torch.empty(2 * weights.shape[0], dtype=torch.int64, device=weights.device)
+            self._zero_weight = torch.empty(weights.shape[0], dtype=torch.bool, device=weights.device)
+        device = self.weights.device
+        # One bin past the last expert (slot): a pair whose id is outside [0, E) lands there, never
+        # as an index out of range (a device-side assert on CUDA would end the engine).
+        self._expert_bins = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+        self.counts, self.discarded = self._expert_bins[:num_experts], self._expert_bins[num_experts:]
+        self._slot_bins = torch.zeros(num_slots + 1, dtype=torch.int64, device=device) if num_slots else None
+        self.slot_counts = self._slot_bins[:num_slots] if num_slots else None
+        self.slot_discarded = self._slot_bins[num_slots:] if num_slots else None
 
-    def add(self, topk_ids: torch.Tensor) -> None:
-        ids = topk_ids.reshape(-1)
-        self.counts.index_add_(0, ids, self.weights[:ids.shape[0]])
+    def add(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+        """Count the router's choice [N, c]. Ids outside [0, E) (padding rows masked to -1) go to
+        `discarded`; so do columns past top_k, which a router appends after its choice (fused shared
+        experts, ids E..E+s) and, given `topk_weights`, pairs of weight exactly 0 (a zero-expert
+        router hands its zero experts on as expert 0 with weight 0)."""
+        self._tally(self._expert_bins, topk_ids, topk_weights)
 
     def add_slots(self, physical_ids: torch.Tensor) -> None:
-        ids = physical_ids.reshape(-1)
-        self.slot_counts.index_add_(0, ids, self.weights[:ids.shape[0]])
+        self._tally(self._slot_bins, physical_ids, None)
+
+    def _tally(self, bins: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor | None) -> None:
+        # In-place on preallocated scratch: the ids are copied (never changed: the engine uses them),
+        # clamped to [-1, outside] and taken mod outside + 1, which sends -1 and >= outside to the
+        # outside bin and keeps [0, outside) as is. No host sync, no allocation.
+        outside = bins.shape[0] - 1
+        extra = 0
+        if ids.dim() == 2 and self.top_k is not None and ids.shape[1] > self.top_k:
+            extra, ids = ids.shape[1] - self.top_k, ids[:, :self.top_k]
+        n = ids.numel()
+        index = self._scratch[:n].view(ids.shape)
+        index.copy_(ids)
+        index.clamp_(-1, outside).remainder_(outside + 1)
+        if topk_weights is not None:
+            zero = self._zero_weight[:n].view(ids.shape)
+            torch.eq(topk_weights[..., :ids.shape[-1]], 0, out=zero)
+            index.masked_fill_(zero, outside)
+        bins.index_add_(0, index.view(-1), self.weights[:n])
+        if extra:  # each real token's appended columns: `extra` pairs outside, per token's weight
+            tokens = ids.shape[0]
+            rest = self._scratch[n:n + tokens].fill_(outside)
+            bins.index_add_(0, rest, self.weights.view(-1, self.top_k)[:tokens, 0], alpha=extra)
 
     def take(self) -> tuple[np.ndarray, np.ndarray | None]:
         """([E], [P] or None) counts since the last take, zeroed after (the one host read: at flush)."""
@@ -124,6 +160,10 @@ class PairWeights:
     def __init__(self, max_tokens: int, top_k: int, device: torch.device | str):
         self.top_k = top_k
         self.tensor = torch.zeros(max_tokens * top_k, dtype=torch.int64, device=device)
+        # The counters' scratch (PairCounter._tally): their kernels run one after another on the
+        # engine's stream (micro-batches too share one compute stream), so one copy serves them all.
+        self.scratch = torch.empty(max_tokens * (top_k + 1), dtype=torch.int64, device=device)
+        self.zero_weight = torch.empty(max_tokens * top_k, dtype=torch.bool, device=device)
         self._armed = 0
 
     def arm(self, num_tokens: int) -> None:
@@ -262,7 +302,7 @@ class EngineRecorder:
 
     def counter(self, layer_id: int, num_slots: int = 0) -> PairCounter:
         if layer_id not in self.counters:
-            self.counters[layer_id] = PairCounter(self.num_experts, self.weights.tensor, num_slots)
+            self.counters[layer_id] = PairCounter(self.num_experts, self.weights, num_slots)
         return self.counters[layer_id]
 
     def _reset(self) -> None:
