@@ -278,7 +278,8 @@ class IdleConnections:
 
 
 class WebServer:
-    """A threaded HTTP server for a fixed set of GET routes (path -> handler).
+    """A threaded HTTP server for a fixed set of GET routes (path -> handler); HEAD answers as GET does,
+    without the body.
 
     Threads, bounded: a connection gets a thread and a serving slot only once its request starts to
     arrive (until then it waits in IdleConnections, at most 4 x `max_connections` of them, the oldest
@@ -303,6 +304,13 @@ class WebServer:
             timeout = idle_seconds
 
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                self._serve(body_too=True)
+
+            def do_HEAD(self) -> None:  # noqa: N802 (the stdlib's name)
+                # Load balancers probe with HEAD: the GET's status and headers, without the body.
+                self._serve(body_too=False)
+
+            def _serve(self, body_too: bool) -> None:
                 path = self.path.split("?", 1)[0]
                 route = routes.get(path)
                 if security.authorization is not None and path not in OPEN_PATHS and not hmac.compare_digest(
@@ -313,7 +321,8 @@ class WebServer:
                     self.send_header("Content-Type", "text/plain; charset=utf-8")
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
-                    self.wfile.write(body)
+                    if body_too:
+                        self.wfile.write(body)
                     return
                 if route is None:
                     status, ctype, body = 404, "text/plain; charset=utf-8", b"not found\n"
@@ -327,7 +336,8 @@ class WebServer:
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                if body_too:
+                    self.wfile.write(body)
 
             def log_message(self, format: str, *args) -> None:  # scrapes every few seconds: keep quiet
                 log.debug("%s %s", self.address_string(), format % args)

@@ -43,6 +43,30 @@ def test_ready_without_a_runtime_and_checks_that_fail_say_why(start_agent):
         assert json.loads(resp.read())["agent"]["mode"] == "observe"
 
 
+def test_head_answers_each_get_endpoint_as_get_without_a_body(start_agent):
+    # Load balancers and uptime checkers probe with HEAD: same status and headers, no body.
+    import http.client
+
+    daemon = start_agent()
+    host, port = daemon.http_url.removeprefix("http://").rsplit(":", 1)
+    for path in ("/healthz", "/readyz", "/metrics", "/status", "/nowhere"):
+        conn = http.client.HTTPConnection(host, int(port), timeout=5)
+        try:
+            conn.request("GET", path)
+            got = conn.getresponse()
+            get_status, get_type, get_body = got.status, got.getheader("Content-Type"), got.read()
+            conn.request("HEAD", path)
+            head = conn.getresponse()  # one connection: a body sent after HEAD would spoil the next answer
+            assert (head.status, head.getheader("Content-Type")) == (get_status, get_type), path
+            assert head.read() == b"", path
+            if path not in ("/metrics", "/status"):  # their bodies change from one request to the next
+                assert int(head.getheader("Content-Length")) == len(get_body), path
+            conn.request("GET", "/healthz")
+            assert conn.getresponse().status == 200, path
+        finally:
+            conn.close()
+
+
 def test_notifier_speaks_sd_notify(short_tmp):
     path = str(short_tmp / "notify.sock")
     sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
