@@ -49,6 +49,10 @@ _MEANING = {
                    "sees no per-expert counts)",
     "wait_seconds": "all-to-all seconds each rank spent waiting for later ranks, part of dispatch + combine, "
                     "summed over steps [L][W] (v1 extension: a source that measures its waits)",
+    "a2a_bound_seconds": "Aurora's all-to-all bound per layer at the links' known rates, dispatch + combine, "
+                         "summed over steps [L] (v1 extension: a source that knows its link rates)",
+    "a2a_over_bound": "the slowest rank's dispatch + combine over a2a_bound_seconds [L]; 0 where the bound is 0 "
+                      "(v1 extension, with a2a_bound_seconds)",
 }
 
 

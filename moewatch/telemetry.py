@@ -49,6 +49,11 @@ ARRAY_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     # Additive v1 extension: all-to-all seconds each rank spent waiting for later ranks, from a
     # source that measures it (DeepEP's per-source wait counters); part of dispatch + combine.
     "wait_seconds": ("f", ("L", "W")),
+    # Additive v1 extension: Aurora's all-to-all bound per layer (dispatch + combine, summed over the
+    # window's steps, at the links' known rates) and the measured all-to-all time over it, from a
+    # source that knows its link rates (the reference runtime on emulated or declared links).
+    "a2a_bound_seconds": ("f", ("L",)),
+    "a2a_over_bound": ("f", ("L",)),
 }
 # Absent evidence (docs/telemetry.md): a source that cannot measure a field leaves it out (None here, null in
 # JSON, no entry in the binary form) rather than guessing it. Only the placement, the routed counts
@@ -132,6 +137,8 @@ class Window:
     step_tokens: np.ndarray | None = None
     rank_tokens: np.ndarray | None = None
     wait_seconds: np.ndarray | None = None
+    a2a_bound_seconds: np.ndarray | None = None
+    a2a_over_bound: np.ndarray | None = None
     # Fields this reader does not know, kept so a round trip is lossless.
     extra: Mapping[str, Any] = field(default_factory=dict)
     schema: str = SCHEMA
@@ -319,6 +326,7 @@ def validate(w: Window) -> None:
 
     _check_phase_times(w)
     _check_wait_times(w)
+    _check_a2a_bound(w)
 
     check_placement(w.physical_to_logical_map, E, WindowError)
 
@@ -432,6 +440,36 @@ def _check_wait_times(w: Window) -> None:
         raise WindowError(f"wait_seconds[{layer}][{rank}]",
                           f"{w.wait_seconds[layer, rank]:.9g} s exceeds the rank's dispatch + combine "
                           f"{a2a[layer, rank]:.9g} s")
+
+
+def a2a_over_bound(a2a_seconds: np.ndarray, bound_seconds: np.ndarray) -> np.ndarray:
+    """[L, W] dispatch + combine seconds per rank, [L] bound seconds -> [L] the slowest rank's time over
+    the bound (a collective ends when its last rank does); 0 where the bound is 0 (nothing crossed a
+    link: there is no bound to be over)."""
+    measured = np.asarray(a2a_seconds, dtype=np.float64).max(axis=1)
+    bound = np.asarray(bound_seconds, dtype=np.float64)
+    out = np.zeros_like(bound)
+    np.divide(measured, bound, out=out, where=bound > 0)
+    return out
+
+
+def _check_a2a_bound(w: Window) -> None:
+    """a2a_bound_seconds and a2a_over_bound come together, with the phase times the ratio is made of,
+    and the ratio is the one those times give (relative 1e-6)."""
+    if w.a2a_bound_seconds is None and w.a2a_over_bound is None:
+        return
+    for name in ("a2a_bound_seconds", "a2a_over_bound"):
+        if getattr(w, name) is None:
+            other = "a2a_over_bound" if name == "a2a_bound_seconds" else "a2a_bound_seconds"
+            raise WindowError(name, f"absent while {other} is present (the two come together)")
+    if w.dispatch_seconds is None or w.combine_seconds is None:
+        raise WindowError("a2a_over_bound", "present without dispatch_seconds and combine_seconds")
+    expected = a2a_over_bound(w.dispatch_seconds + w.combine_seconds, w.a2a_bound_seconds)
+    off = ~np.isclose(w.a2a_over_bound, expected, rtol=1e-6, atol=1e-9)
+    if off.any():
+        layer = int(np.flatnonzero(off)[0])
+        raise WindowError(f"a2a_over_bound[{layer}]", f"{w.a2a_over_bound[layer]:.9g} is not the slowest rank's "
+                          f"dispatch + combine over a2a_bound_seconds ({expected[layer]:.9g})")
 
 
 def _check_layers(name: str, bad: np.ndarray, message: str, per_element: bool = False) -> None:

@@ -74,6 +74,10 @@ class Thresholds:
     link_bandwidth_bytes_per_second: float = _t(
         4.5e11, "moewatch: NVLink-class per-GPU bandwidth for the Aurora bound; set yours",
         "per-rank link bandwidth used for the all-to-all lower bound", 1.0)
+    schedule_over_bound: float = _t(
+        1.3, "moewatch: an all-to-all 30 % above its Aurora bound (measured link rates) is far above it; "
+        "Aurora reports up to 1.38x from ordering alone",
+        "measured all-to-all over its bound above which a comm-bound / volume layer gets the schedule action", 1.0)
     min_routed_pairs: float = _t(
         1, "moewatch: a layer that routed nothing gets no verdict but healthy",
         "routed pairs below which a layer is reported idle")

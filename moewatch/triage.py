@@ -19,7 +19,9 @@ Verdicts and causes:
   others wait `straggler_wait_share` of layer time for one rank that arrives last.
 - comm-bound / small-batch: balanced, comm-dominated, messages under the seed's 32 KB.
 - comm-bound / placement: balanced, comm-dominated, cross-rank ratio above the prediction.
-- comm-bound / volume: balanced, comm-dominated, traffic as the placement predicts.
+- comm-bound / volume: balanced, comm-dominated, traffic as the placement predicts; when the window
+  carries the all-to-all's bound (known link rates) and the time is far above it, the order of the
+  exchange is to blame too: action `schedule` (Aurora's rounds).
 - healthy otherwise. `overflow` is a flag on top of any verdict.
 
 Every predicted gain is the share of the layer's per-step time an action is expected to remove,
@@ -281,6 +283,9 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         "a2a_efficiency": tm.a2a_efficiency(w, t.link_bandwidth_bytes_per_second),
         "a2a_lower_bound_seconds_per_step": None if bound is None else bound / steps,
         "a2a_seconds_per_step": None if measured is None else measured / steps,
+        # From the window only (the source knew its link rates): absent, never guessed from a threshold.
+        "a2a_bound_seconds_per_step": None if w.a2a_bound_seconds is None else w.a2a_bound_seconds / steps,
+        "a2a_over_bound": w.a2a_over_bound,
         "dispatch_seconds_per_step": tm.per_step_max(w, "dispatch_seconds"),
         "combine_seconds_per_step": tm.per_step_max(w, "combine_seconds"),
         "compute_seconds_per_step": tm.per_step_max(w, "compute_seconds"),
@@ -531,6 +536,15 @@ def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds, verdi
                               f"Replicate expert{'s' if len(hot) > 1 else ''} {', '.join(map(str, hot))} "
                               f"with {extra} extra slot{'s' if extra > 1 else ''}.",
                               {"experts": hot, "extra_slots": extra}))
+
+    over = m["a2a_over_bound"]
+    if cause == "volume" and over is not None and over > t.schedule_over_bound:
+        # Ordering the same rows reaches the bound at best: the share of the all-to-all above it goes.
+        actions.append(Action("schedule", share * (1.0 - 1.0 / over),
+                              f"Order the all-to-all by Aurora's rounds (--a2a-schedule aurora): it takes "
+                              f"{over:.2f}x its bound at the links' measured rates; one sender per receiver "
+                              "at a time removes what senders sharing a receiver's link cost.",
+                              {"schedule": "aurora", "over_bound": round(float(over), 4)}))
 
     if verdict == IMBALANCE_BOUND or cause == "placement":
         gain = relief(float(pred.placement_max_load[layer]))

@@ -12,7 +12,7 @@ VERDICTS = (HEALTHY, COMM_BOUND, IMBALANCE_BOUND)
 # comm-bound: volume, placement, small-batch; imbalance-bound: hot-experts, straggler (docs/triage.md).
 CAUSES = ("volume", "placement", "small-batch", "hot-experts", "straggler")
 # What the triage proposes for a layer.
-ACTION_KINDS = ("replicate", "capacity", "placement", "batch")
+ACTION_KINDS = ("replicate", "capacity", "placement", "batch", "schedule")
 # What a window may lack (telemetry.EVIDENCE, by the same names, says which fields each needs).
 EVIDENCE_KINDS = ("a2a_time", "rank_load", "cross_rank", "capacity", "compute_time", "layer_time", "steps",
                   "expert_load")

@@ -40,7 +40,8 @@ def logical() -> Window:
 
 def test_only_placement_routing_and_capacity_factor_are_required():
     assert tm.REQUIRED_ARRAYS == {"physical_to_logical_map", "expert_tokens", "capacity_factor"}
-    assert (set(TIMINGS) | {"step_tokens"} | set(RANK_COUNTS) | {"dropped_tokens", "rerouted_tokens", "rank_tokens", "wait_seconds"}
+    assert (set(TIMINGS) | {"step_tokens"} | set(RANK_COUNTS) | {"dropped_tokens", "rerouted_tokens", "rank_tokens", "wait_seconds",
+                                                                  "a2a_bound_seconds", "a2a_over_bound"}
             == OPTIONAL_ARRAYS)
     assert tm.REQUIRED_UNLESS == {"expert_tokens": "rank_tokens"}  # the routed counts, unless rank totals stand in
 
