@@ -39,7 +39,8 @@ from .metrics import engine_rebalance as engine_rebalance_metrics
 from .metrics.connections import (CONNECTIONS_CLOSED_TOTAL, CONNECTIONS_REFUSED_TOTAL, FRAMES_RECEIVED_TOTAL,
                                   FRAMES_REJECTED_TOTAL)
 from .metrics.groups import (GROUPS_EVICTED_TOTAL, GROUPS_RETIRED_TOTAL, RUNTIME_CONNECTED,
-                             RUNTIME_FRAMES_DROPPED_TOTAL, init_group)
+                             RUNTIME_FRAMES_DROPPED_TOTAL, RUNTIME_WINDOWS_LOST_TOTAL, init_group,
+                             windows_lost_growth)
 from .metrics.identity import init_static
 from .metrics.jobs import JOB_ERRORS_TOTAL, JOB_MISFIRES_TOTAL, init_jobs
 from .metrics.state import MetricsState
@@ -314,6 +315,13 @@ class Daemon:
             grown = msg.frames_dropped - previous if msg.frames_dropped >= previous else msg.frames_dropped
             if grown > 0:
                 self.metrics[RUNTIME_FRAMES_DROPPED_TOTAL].inc(group.key, grown)
+            # The engine adapters' lost windows, by reason: kept per process, as several processes
+            # (the shards of a group) may report into one group.
+            pid = conn.hello.pid if conn.hello is not None else 0
+            with group.lock:
+                lost = windows_lost_growth(group.runtime_windows_lost, pid, msg.extra.get("windows_lost"))
+            for reason, count in lost.items():
+                self.metrics[RUNTIME_WINDOWS_LOST_TOTAL].inc((*group.key, reason), count)
             return None
         if isinstance(msg, Plan):
             return "unexpected"  # plans flow agent -> runtime only

@@ -48,6 +48,8 @@ class GroupStore:
     max_epoch_seen: int = 0
     windows_accepted: int = 0
     runtime_frames_dropped: int = 0  # the runtime's own cumulative count, as last reported
+    # windows its engine processes lost, as each (pid) last reported them: {pid: {reason: count}}
+    runtime_windows_lost: dict = field(default_factory=dict)
     lineage: int = 0  # bumped when a different runtime process takes the group over (a restart)
     left_at: float | None = None  # when the last runtime disconnected (for retirement)
     last_heartbeat: float | None = None

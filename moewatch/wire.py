@@ -30,6 +30,12 @@ MAGIC = b"MW"
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<2sBBI")
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+# Why an engine adapter lost a window, as its heartbeats report them (extra "windows_lost": cumulative
+# counts by reason): it failed validation, a sink raised, the sender's queue was full, a send was cut
+# short, it did not encode, it was still queued at shutdown, its counters' copy could not start, the
+# timer failed. The agent exports these as the `reason` label; anything else is counted as "other".
+WINDOW_LOSS_REASONS = ("invalid", "sink_error", "queue_full", "send_failed", "encode_error", "unsent_at_close",
+                       "readout_error", "timer_error")
 
 
 class FrameType(enum.IntEnum):

@@ -16,7 +16,7 @@ import select
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from moewatch import wire
@@ -55,6 +55,12 @@ class SenderStats:
     plans_received: int = 0
     frames_rejected: int = 0  # frames from the agent that did not decode
     encode_errors: int = 0
+    # windows lost, by reason (wire.WINDOW_LOSS_REASONS): queue_full, send_failed, encode_error, unsent_at_close
+    window_drops: dict[str, int] = field(default_factory=dict)
+
+    def drop_window(self, reason: str, count: int = 1) -> None:
+        if count:
+            self.window_drops[reason] = self.window_drops.get(reason, 0) + count
 
 
 class Sender:
@@ -101,6 +107,8 @@ class Sender:
                 queue.popleft()
                 self.stats.frames_dropped += 1
                 self.stats.windows_dropped += int(is_window)
+                if is_window:
+                    self.stats.drop_window("queue_full")
                 kept = False
             queue.append(item)
         return kept
@@ -120,6 +128,7 @@ class Sender:
             left = len(self._windows) + len(self._control)
             self.stats.frames_dropped += left
             self.stats.windows_dropped += len(self._windows)
+            self.stats.drop_window("unsent_at_close", len(self._windows))
             self._windows.clear()
             self._control.clear()
         return self.stats
@@ -180,6 +189,10 @@ class Sender:
             return False
         try:
             sock.sendall(wire.encode(self._hello()))
+        except (wire.FrameError, ValueError, TypeError):  # a hello that cannot be built: retried later, never the thread's end
+            sock.close()
+            self.stats.connect_failures += 1
+            return False
         except OSError:
             sock.close()
             self.stats.connect_failures += 1
@@ -233,6 +246,8 @@ class Sender:
                 frame = wire.encode(item)
             except (wire.FrameError, ValueError, TypeError):
                 self.stats.encode_errors += 1
+                if isinstance(item, Window):
+                    self.stats.drop_window("encode_error")
                 continue
             try:
                 self._sock.sendall(frame)
@@ -241,6 +256,8 @@ class Sender:
                 with self._lock:
                     self.stats.frames_dropped += 1
                     self.stats.windows_dropped += int(isinstance(item, Window))
+                    if isinstance(item, Window):
+                        self.stats.drop_window("send_failed")
                 self._disconnect()
                 return
             self.stats.frames_sent += 1

@@ -15,7 +15,9 @@ Sizes: L MoE layers, E logical experts, P slots, k experts per token, N tokens i
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,9 @@ from moewatch.telemetry import Window
 
 from ..sender import Sender
 from .clock import EventClock
+from .readout import HostReadout
+
+log = logging.getLogger(__name__)
 
 ENV_SOCKET = "MOEWATCH_SOCKET"
 ENV_WINDOW_DIR = "MOEWATCH_WINDOW_DIR"
@@ -92,7 +97,8 @@ class PairCounter:
     no allocation (slices are views), so it survives torch.compile and CUDA graph capture. Each pair
     is weighted by the `weights` buffer (token-major, [max_tokens * k]), which the adapter sets on the
     host between steps: ones over the real tokens of a real step, zeros otherwise, so warm-up,
-    profiling, dummy runs and padded tokens add nothing."""
+    profiling, dummy runs and padded tokens add nothing. The counts only grow: a flush copies them
+    without a host sync and takes the difference from its previous copy (readout.py)."""
 
     def __init__(self, num_experts: int, weights: "PairWeights | torch.Tensor", num_slots: int = 0):
         if isinstance(weights, PairWeights):
@@ -143,15 +149,13 @@ class PairCounter:
             rest = self._scratch[n:n + tokens].fill_(outside)
             bins.index_add_(0, rest, self.weights.view(-1, self.top_k)[:tokens, 0], alpha=extra)
 
-    def take(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """([E], [P] or None) counts since the last take, zeroed after (the one host read: at flush)."""
-        counts = self.counts.cpu().numpy().copy()
-        self.counts.zero_()
-        slots = None
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The device tensors a flush reads, by the window field they feed. Cumulative since the
+        counter was made (never zeroed: the recorder subtracts its previous read, readout.py)."""
+        out = {"expert_tokens": self.counts}
         if self.slot_counts is not None:
-            slots = self.slot_counts.cpu().numpy().copy()
-            self.slot_counts.zero_()
-        return counts, slots
+            out["slot_tokens"] = self.slot_counts
+        return out
 
 
 class PairWeights:
@@ -231,20 +235,26 @@ class DirSink:
 
 class WindowSinks:
     """The sinks the settings ask for: the agent's socket (through the runtime's non-blocking
-    Sender, started on the first window) and/or a folder."""
+    Sender, started on the first window, or by `start()`) and/or a folder. `heartbeat`: what the
+    Sender reports every second while connected (the windows lost so far, by reason)."""
 
-    def __init__(self, settings: EngineSettings, hello: Callable[[], wire.Hello]):
-        self.sender: Sender | None = Sender(settings.socket, hello=hello) if settings.socket else None
+    def __init__(self, settings: EngineSettings, hello: Callable[[], wire.Hello],
+                 heartbeat: Callable[[], wire.Heartbeat] | None = None):
+        self.sender: Sender | None = (Sender(settings.socket, hello=hello, heartbeat=heartbeat)
+                                      if settings.socket else None)
         self.folder = DirSink(settings.window_dir) if settings.window_dir else None
         self._started = False
+
+    def start(self) -> None:
+        if self.sender is not None and not self._started:
+            self.sender.start()
+            self._started = True
 
     def __call__(self, window: Window) -> None:
         if self.folder is not None:
             self.folder(window)
         if self.sender is not None:
-            if not self._started:
-                self.sender.start()
-                self._started = True
+            self.start()
             self.sender.send_window(window)
 
     def close(self) -> None:
@@ -266,20 +276,35 @@ class EngineRecorder:
 
     The adapter calls `counter(layer_id)` once per MoE layer when it binds (layers are numbered by
     the engine's own index; the window lists them in that order, their ids under `layer_ids`),
-    `begin_step(n)` / `end_step()` around each real forward, and `close()` at shutdown. A window
-    ends after `window_steps` steps or `window_seconds`, whichever comes first."""
+    `begin_step(n)` / `end_step()` around each real engine step (`end_forward()` in between when the
+    step goes on after the forward, e.g. to sample: it stops counting pairs), and `close()` at
+    shutdown. A window ends after `window_steps` steps or `window_seconds`, whichever comes first.
+
+    Nothing on the step path waits for the device: the flush starts a non-blocking copy of every
+    counter (readout.py) and the window is sent once that copy, and the step clock's events, have
+    completed. A background timer sends what has completed and ends a window whose seconds are up
+    while the engine is idle (between steps only, on the engine's stream), so a quiet engine sends
+    its window within MOEWATCH_WINDOW_SECONDS instead of holding it until its next step.
+
+    A window that cannot be built or sent is never dropped in silence: it is counted by reason
+    (`windows_lost()`, reasons in wire.WINDOW_LOSS_REASONS), logged once per reason, and the counts
+    go to the agent in every heartbeat (`extra["windows_lost"]`)."""
 
     # A window waiting for its device step times is sent without them after this many more steps.
     HOLD_STEPS = 64
+    # The timer's period at most (shorter for short windows).
+    TIMER_SECONDS = 0.25
 
     def __init__(self, settings: EngineSettings, *, runtime: str, model: str, top_k: int, hidden_bytes: int,
                  num_experts: int, weights: PairWeights, world_size: int = 1, time_steps: bool = False,
-                 sinks: Sequence[Callable[[Window], object]] = (), clock: EventClock | None = None):
+                 sinks: Sequence[Callable[[Window], object]] = (), clock: EventClock | None = None,
+                 timer: bool = True):
         self.settings = settings
         # Device step time without a host sync (clock.py): a window is held until its steps' events
         # have completed, then sent with them (or, after HOLD_STEPS more steps, without them).
         self.clock = clock
-        self._held: list[tuple[dict, int, int]] = []  # (window fields, its steps, steps run since held)
+        # (window fields, its steps, its counters' readout, steps run since held), oldest first
+        self._held: list[list] = []
         self._timed: list[float] = []  # device step seconds harvested, not yet given to a window
         self._skip = 0  # device step times still to come for windows already sent without them
         self.runtime, self.model, self.top_k, self.hidden_bytes = runtime, model, top_k, hidden_bytes
@@ -288,16 +313,31 @@ class EngineRecorder:
         self.time_steps = time_steps
         self.counters: dict[int, PairCounter] = {}
         self.layer_seconds: dict[int, float] | None = None  # set by an adapter that times layers
-        self.slot_map: Callable[[], np.ndarray] | None = None  # [L, P] map in force, when slots are counted
+        # [L, P] map in force, when slots are counted: a device tensor (copied with the counters,
+        # no sync) or an array.
+        self.slot_map: Callable[[], Any] | None = None
         # Window `extra` keys filled at each flush from what an adapter has pending (e.g. the EPLB
         # policy's decisions since the last window); a None or empty answer adds nothing.
         self.extra_fields: dict[str, Callable[[], Any]] = {}
         self._identity: dict = {}
         self.extra_sinks = list(sinks)
-        self.sinks = (WindowSinks(settings, hello=lambda: hello_for(self._identity, runtime))
+        self.sinks = (WindowSinks(settings, hello=lambda: hello_for(self._identity, runtime), heartbeat=self.heartbeat)
                       if settings.socket or settings.window_dir else None)
+        self.readout = HostReadout(weights.tensor.device)
+        self._read_upto: dict[tuple[str, int], np.ndarray] = {}  # the cumulative counts last read
+        self._stream: Any = None  # the engine's CUDA stream, as of its last step
         self.windows_built = 0
         self.last_error = ""
+        self._lost: dict[str, int] = {}
+        self._steps_total = 0
+        self._in_step = False
+        # _lock guards the recorder's state (held briefly); _emit_lock orders the sending (the engine's
+        # thread never waits for it: the timer sends when it holds it).
+        self._lock = threading.RLock()
+        self._emit_lock = threading.Lock()
+        self._timer_wanted = timer
+        self._timer: threading.Thread | None = None
+        self._closed = threading.Event()
         self._reset()
 
     def counter(self, layer_id: int, num_slots: int = 0) -> PairCounter:
@@ -314,93 +354,197 @@ class EngineRecorder:
         if self.layer_seconds is not None:
             self.layer_seconds = dict.fromkeys(self.layer_seconds, 0.0)
 
+    # --- the engine's thread ---------------------------------------------------------------------
     def begin_step(self, num_tokens: int) -> None:
-        if self.steps == 0:
-            self._start_unix, self._start_wall = time.time(), time.perf_counter()
-        self._step_tokens.append(int(num_tokens))
-        self.weights.arm(int(num_tokens))
-        if self.clock is not None:
-            self.clock.begin_step()
-        self._step_start = time.perf_counter()
+        with self._lock:
+            if self._timer is None and self._timer_wanted and not self._closed.is_set():
+                self._start_timer()
+            self._in_step = True
+            if self.steps == 0:
+                self._start_unix, self._start_wall = time.time(), time.perf_counter()
+            self._step_tokens.append(int(num_tokens))
+            self.weights.arm(int(num_tokens))
+            if self.clock is not None:
+                self.clock.begin_step()
+            self._step_start = time.perf_counter()
+
+    def end_forward(self) -> None:
+        """The step's forward is launched: what the step runs after it (sampling, drafting) counts no pairs."""
+        self.weights.disarm()
 
     def end_step(self) -> Window | None:
-        self._step_seconds.append(time.perf_counter() - self._step_start)
-        if self.clock is not None:
-            self.clock.end_step()
-            self._release_held(steps_run=1)
-        self.weights.disarm()
-        self.steps += 1
-        s = self.settings
-        if (s.window_steps is not None and self.steps >= s.window_steps) or (
-                s.window_seconds is not None and time.perf_counter() - self._start_wall >= s.window_seconds):
-            return self.flush()
-        return None
+        with self._lock:
+            self._step_seconds.append(time.perf_counter() - self._step_start)
+            if self.clock is not None:
+                self.clock.end_step()
+            self.weights.disarm()
+            if self.readout.device.type == "cuda":  # the stream a timer's flush must copy on
+                self._stream = torch.cuda.current_stream(self.readout.device)
+            self.steps += 1
+            self._steps_total += 1
+            self._in_step = False
+            for held in self._held:
+                held[3] += 1
+            s = self.settings
+            if (s.window_steps is not None and self.steps >= s.window_steps) or (
+                    s.window_seconds is not None and time.perf_counter() - self._start_wall >= s.window_seconds):
+                self._flush_locked()
+            pending = bool(self._held)
+        return self._send_ready(wait=False) if pending else None
 
     def flush(self) -> Window | None:
-        """Build the window of the steps so far and hand it to the sinks (None when there were none)."""
+        """End the window of the steps so far (nothing when there were none) and send what has
+        completed; returns the last window sent now."""
+        with self._lock:
+            self._flush_locked()
+        return self._send_ready(wait=True)
+
+    def _flush_locked(self) -> None:
+        """Start the window's counter copy and hold its fields until the copy (and the step times)
+        are in. Called with _lock held, between steps."""
         if self.steps == 0 or not self.counters:
-            return None
+            return
         ids = sorted(self.counters)
-        taken = [self.counters[i].take() for i in ids]
-        slots = None
+        parts: list[tuple[Any, torch.Tensor]] = []
+        for i in ids:
+            parts += [((name, i), tensor) for name, tensor in self.counters[i].buffers().items()]
         pmap = None
-        if self.slot_map is not None and all(t[1] is not None for t in taken):
-            slots = np.stack([t[1] for t in taken])
+        if self.slot_map is not None and all(self.counters[i].slot_counts is not None for i in ids):
             pmap = self.slot_map()
+            if isinstance(pmap, torch.Tensor):
+                parts.append((("map", -1), pmap))
+                pmap = None
+            elif pmap is None:
+                pmap = False  # no map this time: the window goes without slot counts
         layer_seconds = None
         if self.layer_seconds is not None:
             layer_seconds = np.array([[self.layer_seconds.get(i, 0.0)] for i in ids])
         fields = dict(
             runtime=self.runtime, model=self.model, ep_group=self.settings.ep_group, top_k=self.top_k,
-            hidden_bytes=self.hidden_bytes, expert_tokens=np.stack([t[0] for t in taken]), steps=self.steps,
+            hidden_bytes=self.hidden_bytes, steps=self.steps,
             start_time=self._start_unix, end_time=time.time(), world_size=self.world_size,
-            slot_tokens=slots, physical_to_logical_map=pmap, layer_seconds=layer_seconds,
+            physical_to_logical_map=pmap, layer_seconds=layer_seconds,
             step_seconds=self._step_seconds if self.time_steps else None, step_tokens=self._step_tokens,
             extra={"layer_ids": ids, **self._pending_extra()})
-        steps = self.steps
+        try:
+            readout = self.readout.start(parts, stream=self._stream)
+        except Exception as exc:  # the copy could not even start: this window is lost, counted
+            self._count_lost("readout_error", exc)
+            self._reset()
+            return
+        self._held.append([fields, self.steps, readout, 0])
         self._reset()
-        if self.clock is not None and self.clock.enabled:
-            self._held.append((fields, steps, 0))
-            return self._release_held(steps_run=0)
-        return self._emit(fields)
 
-    def _release_held(self, steps_run: int) -> Window | None:
-        """Send the held windows whose device step times are all in, oldest first, and those held for
-        HOLD_STEPS steps (or with the clock off) without them. Returns the last window sent."""
-        for seconds in self.clock.harvest():
-            if self._skip:
-                self._skip -= 1  # a step of a window already sent without its times
-            else:
-                self._timed.append(seconds)
-        sent = None
-        self._held = [(f, n, run + steps_run) for f, n, run in self._held]
+    def _counts_of(self, fields: dict, readout) -> None:
+        """Fill the window's counts from its completed readout: this read minus the previous one."""
+        got = readout.read()
+        ids = fields["extra"]["layer_ids"]
+
+        def since_last(name: str, i: int) -> np.ndarray:
+            now = got[(name, i)]
+            before = self._read_upto.get((name, i))
+            self._read_upto[(name, i)] = now
+            return now if before is None else now - before
+
+        fields["expert_tokens"] = np.stack([since_last("expert_tokens", i) for i in ids])
+        slots = [since_last("slot_tokens", i) for i in ids if ("slot_tokens", i) in got]
+        pmap = got.get(("map", -1), fields["physical_to_logical_map"])
+        if len(slots) == len(ids) and pmap is not None and pmap is not False:
+            fields["slot_tokens"], fields["physical_to_logical_map"] = np.stack(slots), pmap
+        else:
+            fields["slot_tokens"], fields["physical_to_logical_map"] = None, None
+
+    def _take_ready(self) -> list[dict]:
+        """Under _lock: the held windows whose counters are in and whose device step times are all in
+        (or that were held HOLD_STEPS steps, or with the clock off: without them), oldest first."""
+        if self.clock is not None:
+            for seconds in self.clock.harvest():
+                if self._skip:
+                    self._skip -= 1  # a step of a window already sent without its times
+                else:
+                    self._timed.append(seconds)
+        ready = []
         while self._held:
-            fields, steps, run = self._held[0]
-            if len(self._timed) >= steps:
-                fields["step_seconds"], self._timed = self._timed[:steps], self._timed[steps:]
-            elif run >= self.HOLD_STEPS or not self.clock.enabled:
-                self._skip += steps - len(self._timed)
-                self._timed = []
-            else:
+            fields, steps, readout, run = self._held[0]
+            if not readout.ready():
                 break
+            if self.clock is not None:
+                if len(self._timed) >= steps:
+                    fields["step_seconds"], self._timed = self._timed[:steps], self._timed[steps:]
+                elif run >= self.HOLD_STEPS or not self.clock.enabled:
+                    self._skip += steps - len(self._timed)
+                    self._timed = []
+                else:
+                    break
             self._held.pop(0)
-            sent = self._emit(fields) or sent
-        return sent
+            self._counts_of(fields, readout)
+            ready.append(fields)
+        return ready
+
+    def _send_ready(self, wait: bool) -> Window | None:
+        """Send the windows that are ready, in order. With wait False (the engine's thread) it does not
+        wait for the timer's sending: the timer sends them then."""
+        if not self._emit_lock.acquire(blocking=wait):
+            return None
+        try:
+            with self._lock:
+                ready = self._take_ready()
+            sent = None
+            for fields in ready:
+                sent = self._emit(fields) or sent
+            return sent
+        finally:
+            self._emit_lock.release()
 
     def _emit(self, fields: dict) -> Window | None:
         try:
             window = logical_window(**fields)
-        except ValueError as exc:  # never take the engine down for a window: count it and go on
-            self.last_error = str(exc)
+        except (ValueError, TypeError) as exc:  # never take the engine down for a window: count it and go on
+            self._count_lost("invalid", exc)
+            if not self._identity and self.sinks is not None:
+                # The agent hears the counts in the heartbeats of a connection that no window opened.
+                pmap = fields.get("physical_to_logical_map")
+                self._identity = {"model": fields["model"], "ep_group": fields["ep_group"],
+                                  "world_size": fields["world_size"], "num_layers": len(fields["extra"]["layer_ids"]),
+                                  "num_experts": self.num_experts,
+                                  "num_slots": self.num_experts if pmap is None else int(np.shape(pmap)[-1])}
+                self.sinks.start()
             return None
         self._identity = {name: getattr(window, name) for name in
                           ("model", "ep_group", "world_size", "num_layers", "num_experts", "num_slots")}
         self.windows_built += 1
-        if self.sinks is not None:
-            self.sinks(window)
-        for sink in self.extra_sinks:
-            sink(window)
+        for sink in ([self.sinks] if self.sinks is not None else []) + self.extra_sinks:
+            try:
+                sink(window)
+            except Exception as exc:  # a full disk, a sink's own bug: counted, and the engine goes on
+                self._count_lost("sink_error", exc)
         return window
+
+    def _count_lost(self, reason: str, exc: BaseException) -> None:
+        with self._lock:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            first = reason not in self._lost
+            self._lost[reason] = self._lost.get(reason, 0) + 1
+        if first:
+            log.warning("moewatch: a window was lost (%s: %s); windows lost for this reason are counted "
+                        "(moewatch_runtime_windows_lost_total) and not logged again", reason, self.last_error)
+
+    def windows_lost(self) -> dict[str, int]:
+        """Windows lost so far in this process, by reason (cumulative): the recorder's own and its
+        sender's (queue full, a send cut short, unsent at close)."""
+        with self._lock:
+            out = dict(self._lost)
+        sender = self.sinks.sender if self.sinks is not None else None
+        if sender is not None:
+            for reason, count in dict(sender.stats.window_drops).items():
+                out[reason] = out.get(reason, 0) + count
+        return {reason: count for reason, count in out.items() if count}
+
+    def heartbeat(self) -> wire.Heartbeat:
+        sender = self.sinks.sender if self.sinks is not None else None
+        return wire.Heartbeat(time=time.time(), epoch=0, step=self._steps_total,
+                              frames_dropped=sender.stats.frames_dropped if sender is not None else 0,
+                              extra={"windows_lost": self.windows_lost()})
 
     def _pending_extra(self) -> dict[str, Any]:
         out = {}
@@ -410,10 +554,44 @@ class EngineRecorder:
                 out[name] = value
         return out
 
+    # --- the timer's thread ----------------------------------------------------------------------
+    def _start_timer(self) -> None:
+        seconds = self.settings.window_seconds
+        self._tick = min(self.TIMER_SECONDS, seconds / 4) if seconds is not None else self.TIMER_SECONDS
+        self._timer = threading.Thread(target=self._run_timer, name="moewatch-window-timer", daemon=True)
+        self._timer.start()
+
+    def _run_timer(self) -> None:
+        while not self._closed.wait(self._tick):
+            try:
+                self.on_timer()
+            except Exception as exc:  # the engine never sees the timer fail; the next tick tries again
+                self._count_lost("timer_error", exc)
+
+    def on_timer(self) -> None:
+        """One tick: end the open window if its seconds are up and no step is running, then send
+        what has completed."""
+        with self._lock:
+            s = self.settings
+            if (not self._in_step and self.steps and s.window_seconds is not None
+                    and time.perf_counter() - self._start_wall >= s.window_seconds):
+                self._flush_locked()
+            pending = bool(self._held)
+        if pending:
+            self._send_ready(wait=True)
+
     def close(self) -> None:
+        self._closed.set()
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join(5.0)
         self.flush()
-        if self._held:  # shutdown: what has completed goes with its times, the rest without (no wait)
-            self._release_held(steps_run=self.HOLD_STEPS)
+        if self._held:  # shutdown: counters waited for (off the step path), step times only if complete
+            with self._lock:
+                for held in self._held:
+                    if not held[2].ready():
+                        held[2].wait()
+                    held[3] = self.HOLD_STEPS
+            self._send_ready(wait=True)
         if self.sinks is not None:
             self.sinks.close()
 

@@ -14,17 +14,21 @@ Inactive unless MOEWATCH_SOCKET or MOEWATCH_WINDOW_DIR is set (common.EngineSett
 - the model runner's `execute_model` (V1's, and V2's where this vLLM has it: enable_return_routed_experts
   needs V2): a step with scheduled tokens arms the pair weights for its real tokens before the
   forward and disarms them after, so warm-up, profiling, compile and dummy runs (which pass through
-  here without tokens, or as V2's dummy_run) and padding count nothing; the window is flushed every
-  MOEWATCH_WINDOW_STEPS steps or MOEWATCH_WINDOW_SECONDS.
+  here without tokens, or as V2's dummy_run) and padding count nothing; with `sample_tokens` (both
+  runners') it marks the step: from execute_model's start to sample_tokens' end (sampler, MTP
+  drafter and EPLB step included). The window ends every MOEWATCH_WINDOW_STEPS steps or
+  MOEWATCH_WINDOW_SECONDS, the latter also while the engine is idle (the recorder's timer); its
+  counters reach the host by a non-blocking copy read once complete (readout.py: no host sync).
 - the worker's `shutdown` (and process exit): the last, partial window is flushed.
 
 Measured: pairs per layer and logical expert for computed tokens (prefix-cache hits are not
 computed, so not counted); tokens per step; on the CPU with enforce_eager, per-layer MoE time and
 per-step time by perf_counter (the CPU runs synchronously, so these cost no sync). GPU only, not
 testable on a CPU machine: with EPLB, pairs per physical slot (the ids after vLLM's mapping) and the
-physical_to_logical_map in force; per-step time from CUDA events recorded around each step and read
-only once complete (clock.py: no host sync; a window waits for its steps' events, or goes without
-them). Absent: dispatch/combine/compute split, rank-level traffic, and per-layer time on a GPU.
+physical_to_logical_map in force (copied with the counters, no sync); per-step time from CUDA events
+recorded around each step and read only once complete (clock.py: no host sync; a window waits for
+its steps' events, or goes without them). Absent: dispatch/combine/compute split, rank-level
+traffic, and per-layer time on a GPU.
 """
 
 from __future__ import annotations
@@ -33,8 +37,6 @@ import atexit
 import logging
 import os
 import time
-
-import numpy as np
 
 RUNTIME_NAME = "vllm"
 logger = logging.getLogger("moewatch.vllm")
@@ -58,9 +60,24 @@ def register() -> None:
         _wrap_execute_model()
         _wrap_shutdown()
     except (ImportError, AttributeError) as exc:  # another vLLM layout: serve unobserved, say why
-        logger.warning("moewatch: this vLLM does not have the hooks the plugin binds to (%s); not observing", exc)
+        observation_off(f"this vLLM does not have the hooks the plugin binds to ({type(exc).__name__}: {exc})")
         return
     atexit.register(close)
+
+
+def observation_off(reason: str) -> None:
+    """Stop observing, with one warning naming vLLM's version and why: the steps pass through
+    untouched from then on (counters already bound stay disarmed and add nothing), and the engine
+    keeps serving."""
+    if _state.get("off"):
+        return
+    _state["off"] = reason
+    try:
+        from vllm import __version__ as version
+    except Exception:  # a build without a version string
+        version = "(unknown version)"
+    logger.warning("moewatch: observation is off for vLLM %s: %s; the engine keeps serving unobserved",
+                   version, reason)
 
 
 def recorder():
@@ -69,6 +86,7 @@ def recorder():
 
 
 def close() -> None:
+    _end_open_step()
     rec = _state.get("recorder")
     if rec is not None:
         rec.close()
@@ -192,10 +210,11 @@ def _count_slots(router, counter, rec) -> None:
         rec.slot_map = _eplb_map
 
 
-def _eplb_map() -> np.ndarray:
+def _eplb_map():
+    # The device tensor itself: the flush copies it with the counters, without a host sync.
     runner = _state.get("model_runner")
     states = runner.eplb_state.model_states
-    return next(iter(states.values())).physical_to_logical_map.cpu().numpy()
+    return next(iter(states.values())).physical_to_logical_map
 
 
 def _time_layer(runner, layer_id: int, rec) -> None:
@@ -229,9 +248,11 @@ def _wrap_runner_constructor() -> None:
         def __init__(self, *args, **kwargs):
             init(self, *args, **kwargs)
             try:
-                _bind(self)
-            except Exception:  # never stop the engine from starting: log why it is not observed
-                logger.exception("moewatch: could not bind to MoE layer %s", getattr(self, "layer_name", "?"))
+                if not _state.get("off"):
+                    _bind(self)
+            except Exception as exc:  # never stop the engine from starting: it serves unobserved, and says why
+                observation_off(f"could not bind to MoE layer {getattr(self, 'layer_name', '?')} "
+                                f"({type(exc).__name__}: {exc})")
         return __init__
 
     _wrap_once(MoERunner, "__init__", make)
@@ -243,31 +264,70 @@ def _wrap_execute_model() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     _wrap_once(GPUModelRunner, "execute_model", lambda execute: _counting_steps(execute, dummy_runs=False))
+    _wrap_once(GPUModelRunner, "sample_tokens", _ending_steps)
     try:  # Model Runner V2 (what enable_return_routed_experts needs): its dummy runs pass through here
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
     except ImportError:  # a build without it: the V1 runner is the only one
         return
     _wrap_once(GPUModelRunnerV2, "execute_model", lambda execute: _counting_steps(execute, dummy_runs=True))
+    _wrap_once(GPUModelRunnerV2, "sample_tokens", _ending_steps)
+
+
+def _recorder_call(method, *args) -> bool:
+    """Call the recorder; a failure turns observation off (one warning) instead of failing the step."""
+    try:
+        method(*args)
+        return True
+    except Exception as exc:
+        observation_off(f"the recorder failed in {method.__name__} ({type(exc).__name__}: {exc})")
+        return False
 
 
 def _counting_steps(execute, *, dummy_runs: bool):
     """execute_model that makes a step of each call with scheduled tokens, arming the pair weights for
     them. With `dummy_runs`, the runner also calls it for warm-up and profiling (dummy_run=True, its
-    third parameter), which counts nothing."""
+    third parameter), which counts nothing.
+
+    The step is the engine's whole step: when execute_model leaves its state for sample_tokens (it
+    returns None with `execute_model_state` set: the sampler, the MTP drafter and the EPLB step run
+    there), the step stays open until sample_tokens returns (`_ending_steps`); the pair weights are
+    disarmed as soon as the forward is launched, so what sample_tokens runs counts no pairs."""
     def execute_model(self, scheduler_output, *args, **kwargs):
+        _end_open_step()  # a step whose sample_tokens never came (its execute_model failed): ended here
         rec = _state["recorder"]
         tokens = scheduler_output.total_num_scheduled_tokens if rec is not None else 0
         if dummy_runs and kwargs.get("dummy_run", len(args) > 1 and args[1]):
             tokens = 0
-        if tokens <= 0:
+        if tokens <= 0 or _state.get("off") or not _recorder_call(rec.begin_step, tokens):
             return execute(self, scheduler_output, *args, **kwargs)
         _state["model_runner"] = self
-        rec.begin_step(tokens)
+        sampling_follows = False
         try:
-            return execute(self, scheduler_output, *args, **kwargs)
+            out = execute(self, scheduler_output, *args, **kwargs)
+            sampling_follows = out is None and getattr(self, "execute_model_state", None) is not None
+            return out
         finally:
-            rec.end_step()
+            if sampling_follows and _recorder_call(rec.end_forward):
+                _state["open_step"] = rec
+            else:
+                _recorder_call(rec.end_step)
     return execute_model
+
+
+def _end_open_step() -> None:
+    rec = _state.pop("open_step", None)
+    if rec is not None:
+        _recorder_call(rec.end_step)
+
+
+def _ending_steps(sample):
+    """sample_tokens that ends the step its execute_model left open (see _counting_steps)."""
+    def sample_tokens(self, *args, **kwargs):
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            _end_open_step()
+    return sample_tokens
 
 
 def _wrap_shutdown() -> None:
