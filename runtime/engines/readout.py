@@ -18,7 +18,7 @@ Sizes: parts are int64 tensors of any shape; T = their total number of elements.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -59,9 +59,14 @@ class Readout:
 class HostReadout:
     """Starts the flush copies of one device's counters (see the module docstring)."""
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, event_factory: Callable[[], Any] | None = None):
+        """`event_factory`: the events that mark a copy done (CUDA's on a GPU); given on the CPU, the
+        asynchronous path is taken there too (a test drives it with stand-in events)."""
         self.device = torch.device(device)
-        self.on_gpu = self.device.type == "cuda"
+        on_gpu = self.device.type == "cuda"
+        self.asynchronous = on_gpu or event_factory is not None
+        self._pin = on_gpu
+        self.event_factory = event_factory or (torch.cuda.Event if on_gpu else None)
         self._pool: list[torch.Tensor] = []
         self.copies = 0  # device-to-host copies started (one per flush)
 
@@ -73,14 +78,14 @@ class HostReadout:
         flat = [tensor.reshape(-1).to(torch.int64) for _, tensor in parts]
         total = sum(t.numel() for t in flat)
         self.copies += 1
-        if not self.on_gpu:
+        if not self.asynchronous:
             return Readout(self, torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int64), None, layout, None)
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:
             stack = torch.cat(flat)
             host = self._take(total)
             host.copy_(stack, non_blocking=True)
-            event = torch.cuda.Event()
+            event = self.event_factory()
             event.record()
         return Readout(self, host, event, layout, stack)
 
@@ -88,8 +93,8 @@ class HostReadout:
         for i, buffer in enumerate(self._pool):
             if buffer.numel() == size:
                 return self._pool.pop(i)
-        return torch.empty(size, dtype=torch.int64, pin_memory=True)
+        return torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
 
     def _give_back(self, host: torch.Tensor) -> None:
-        if self.on_gpu and len(self._pool) < 8:
+        if self.asynchronous and len(self._pool) < 8:
             self._pool.append(host)
