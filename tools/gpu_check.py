@@ -4,6 +4,8 @@ Prints one JSON object: NCCL (EP output against the single-process reference, pr
 CUDA events, a live placement change, a stale plan, an injected migration failure), the Triton grouped
 GEMM against the torch path on the device (match and speed), the probe's overhead ratio on the GPU,
 the engine adapters' no-sync step clock (eager and under a CUDA graph, with sync debug mode "error"),
+their pair counters and flush under CUDA-graph replay with padded batches and out-of-range ids (sync
+debug mode "error" around steps and flushes),
 moewatch's EPLB policy as vLLM and SGLang call it at production shape on device-resident inputs
 (and, with two GPUs and vLLM, a short vLLM run with EPLB and the policy), the runtime end to end
 with each kernel, and the closed loop (`moewatch bench loop --backend nccl`: step time before and
@@ -155,12 +157,11 @@ def engine_clock(quick: bool) -> dict:
     for mode in ("eager", "cuda_graph"):
         seen: list = []
         weights = common.PairWeights(tokens, top_k, "cuda")
-        # One window, flushed after the timed steps: the flush's count read is the adapters' one host
-        # read per window, by design; the steps themselves (and the clock) must add none.
+        # One window, flushed after the timed steps (engine_counters checks flushes between steps).
         rec = common.EngineRecorder(common.EngineSettings(window_steps=10 * steps),
                                     runtime="gpu-check", model="tiny",
                                     top_k=top_k, hidden_bytes=hidden * 4, num_experts=experts, weights=weights,
-                                    sinks=[seen.append], clock=EventClock(cuda_event_factory()))
+                                    sinks=[seen.append], clock=EventClock(cuda_event_factory()), timer=False)
         counter = rec.counter(0)
 
         def forward():
@@ -172,13 +173,11 @@ def engine_clock(quick: bool) -> dict:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                weights.arm(tokens)
-                forward()
+                forward()  # warm-up, weights disarmed: counts nothing
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 forward()
-            counter.take()
             step = graph.replay
 
         def timed_steps(with_clock: bool) -> float:
@@ -210,6 +209,105 @@ def engine_clock(quick: bool) -> dict:
                      "overhead_ratio": clocked / bare, "clock_error": rec.clock.error or None,
                      "ok": bool(seen) and len(timed) == len(seen) and not rec.clock.error}
     out["ok"] = all(out[m]["ok"] for m in ("eager", "cuda_graph"))
+    return out
+
+
+def engine_counters(device: str = "cuda", quick: bool = False) -> dict:
+    """The engine adapters' pair counters and their flush (runtime/engines/common.py, readout.py) as
+    an engine runs them on a GPU: one CUDA graph captured per padded batch size and replayed for
+    batches of any real size up to it; padding rows masked to -1 and a fused shared expert appended
+    as id E after the top-k (out-of-range ids: PairCounter's discard bin); a window flushed every 7
+    steps, between replays, with torch.cuda.set_sync_debug_mode("error") around every step and flush,
+    so a host sync in the counters, the flush's copy or the step clock raises. Passed when every
+    window came, the windows' counts sum to an eager count of the same ids (real rows only, the
+    capture warm-up counting nothing), the discard bin holds exactly the appended column's pairs, and
+    each flush made one device-to-host copy. On the CPU (device "cpu") the same steps run eagerly,
+    without graphs or sync debug mode: the check's own test. Never run on a GPU yet."""
+    from moewatch.runtime.engines import common
+    from moewatch.runtime.engines.clock import EventClock, cuda_event_factory
+
+    on_gpu = device == "cuda"
+    layers, experts, top_k, hidden, window_steps = 4, 16, 2, 256, 7
+    sizes = (64, 256)  # the padded batch sizes graphs are captured for
+    steps = 30 if quick else 120
+    g = torch.Generator(device=device).manual_seed(0)
+    routers = [torch.randn(hidden, experts, device=device, generator=g) for _ in range(layers)]
+    weights = common.PairWeights(max(sizes), top_k, device)
+    seen: list = []
+    rec = common.EngineRecorder(common.EngineSettings(window_steps=window_steps), runtime="gpu-check", model="tiny",
+                                top_k=top_k, hidden_bytes=hidden * 4, num_experts=experts, weights=weights,
+                                sinks=[seen.append], clock=EventClock(cuda_event_factory()) if on_gpu else None,
+                                timer=False)
+    counters = [rec.counter(i) for i in range(layers)]
+    x = torch.zeros(max(sizes), hidden, device=device)  # the graphs' static input
+    real_rows = torch.zeros(max(sizes), dtype=torch.bool, device=device)
+    chosen = [torch.zeros(max(sizes), top_k + 1, dtype=torch.int64, device=device) for _ in range(layers)]
+
+    def forward(size: int) -> None:
+        for i, counter in enumerate(counters):
+            ids = torch.topk(x[:size] @ routers[i], top_k, dim=1).indices
+            ids = torch.where(real_rows[:size, None], ids, -1)  # padding rows masked to -1
+            ids = torch.cat([ids, torch.full_like(ids[:, :1], experts)], dim=1)  # a shared expert: id E
+            counter.add(ids)
+            chosen[i][:size].copy_(ids)
+
+    run = forward
+    if on_gpu:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in sizes:
+                forward(size)  # warm-up, weights disarmed: counts nothing
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs = {}
+        for size in sizes:
+            graphs[size] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[size]):
+                forward(size)
+        run = lambda size: graphs[size].replay()  # noqa: E731
+    else:
+        for size in sizes:
+            forward(size)  # the same warm-up
+    reference = torch.zeros(layers, experts + 1, dtype=torch.int64, device=device)
+    ones = torch.ones(max(sizes) * (top_k + 1), dtype=torch.int64, device=device)
+    rng = np.random.default_rng(0)
+    real_total, padded_total = 0, 0
+    sync_debug = torch.cuda.set_sync_debug_mode if on_gpu else (lambda mode: None)
+    started = time.perf_counter()
+    for _ in range(steps):
+        n = int(rng.integers(1, max(sizes) + 1))
+        size = next(s for s in sizes if s >= n)
+        real_total, padded_total = real_total + n, padded_total + size
+        sync_debug("error")
+        try:
+            x[:size].normal_(generator=g)  # the step's tokens, made on the device
+            real_rows[:n].fill_(True)
+            real_rows[n:].fill_(False)
+            rec.begin_step(n)
+            run(size)
+            rec.end_step()  # every 7th: the flush's copy, no sync
+            for i in range(layers):  # the eager count of the same ids, real rows only
+                reference[i].index_add_(0, chosen[i][:n].reshape(-1), ones[:n * (top_k + 1)])
+        finally:
+            sync_debug("default")
+    seconds = time.perf_counter() - started
+    if on_gpu:
+        torch.cuda.synchronize()
+    rec.close()
+    want = reference.cpu().numpy()
+    got = sum(w.expert_tokens for w in seen) if seen else np.zeros((layers, experts), dtype=np.int64)
+    discarded = [int(c.discarded.sum()) for c in counters]
+    out = {"device": device, "steps": steps, "padded_sizes": list(sizes), "real_tokens": real_total,
+           "padded_tokens": padded_total, "windows": len(seen), "windows_expected": -(-steps // window_steps),
+           "windows_with_step_time": sum(w.step_seconds is not None for w in seen),
+           "counts_match": bool(np.array_equal(got, want[:, :experts])),
+           "pairs_counted": int(np.asarray(got).sum()), "discarded": discarded,
+           "discarded_expected": want[:, experts].tolist(), "device_copies": rec.readout.copies,
+           "sync_debug": "error" if on_gpu else "off (CPU)", "steps_seconds": seconds,
+           "windows_lost": rec.windows_lost()}
+    out["ok"] = (out["windows"] == out["windows_expected"] and out["counts_match"]
+                 and discarded == out["discarded_expected"] and out["device_copies"] == out["windows"]
+                 and not out["windows_lost"] and (not on_gpu or out["windows_with_step_time"] == out["windows"]))
     return out
 
 
@@ -345,6 +443,7 @@ def main() -> int:
     for name, fn in (("kernel", lambda: kernel_check(args.quick)), ("nccl", lambda: nccl_checks(world_size)),
                      ("probe_overhead", lambda: probe_overhead(world_size, args.quick)),
                      ("engine_clock", lambda: engine_clock(args.quick)),
+                     ("engine_counters", lambda: engine_counters("cuda", args.quick)),
                      ("engine_policy", lambda: engine_policy("cuda", args.quick)),
                      ("end_to_end", lambda: end_to_end(world_size)),
                      ("closed_loop", lambda: closed_loop(world_size, quick=args.quick))):
@@ -355,7 +454,7 @@ def main() -> int:
             report[name] = {"ok": False, "error": traceback.format_exc()[-4000:]}
         report[name]["seconds"] = round(time.monotonic() - started, 1)
     report["ok"] = all(report[name].get("ok") for name in ("kernel", "nccl", "probe_overhead", "engine_clock",
-                                                          "engine_policy", "end_to_end")) and \
+                                                          "engine_counters", "engine_policy", "end_to_end")) and \
         report["closed_loop"].get("ok") is not False
     print(json.dumps(report, default=str))
     return 0 if report["ok"] else 1

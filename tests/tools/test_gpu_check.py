@@ -48,3 +48,22 @@ def test_engine_policy_part_runs_on_the_cpu_path_and_compares_bytes():
     # the vLLM run with EPLB needs two GPUs: not run here, which is not a failure of the part
     assert out["vllm_run"] == {"ran": False, "ok": None, "gpus": 0, "why": out["vllm_run"]["why"]}
     assert "needs 2 GPUs" in out["vllm_run"]["why"]
+
+
+def test_engine_counters_part_runs_on_the_cpu_path_and_its_verdict_can_fail(monkeypatch):
+    # The part a lent GPU runs under CUDA-graph replay with sync debug mode "error" (never run on a
+    # GPU yet); here the same steps run eagerly on the CPU: padded batches, padding rows masked to -1,
+    # a shared expert appended as id E, a window flushed every 7 steps through the recorder's copy.
+    out = gpu_check.engine_counters("cpu", quick=True)
+    assert out["ok"], out
+    assert out["windows"] == out["windows_expected"] == 5 and out["device_copies"] == 5
+    assert out["counts_match"] and out["pairs_counted"] == 4 * 2 * out["real_tokens"]
+    assert out["discarded"] == [out["real_tokens"]] * 4 and out["padded_tokens"] > out["real_tokens"]
+
+    # Padding counted (every row of the padded batch armed): the verdict says so.
+    from moewatch.runtime.engines import common
+
+    arm = common.PairWeights.arm
+    monkeypatch.setattr(common.PairWeights, "arm", lambda self, n: arm(self, 256 if n else 0))
+    broken = gpu_check.engine_counters("cpu", quick=True)
+    assert not broken["ok"] and broken["discarded"] != broken["discarded_expected"]
