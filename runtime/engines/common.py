@@ -316,6 +316,9 @@ class EngineRecorder:
         # [L, P] map in force, when slots are counted: a device tensor (copied with the counters,
         # no sync) or an array.
         self.slot_map: Callable[[], Any] | None = None
+        # [P] logical expert of each slot where the engine places experts other than contiguously
+        # and no slot counts (hence no map read from the device) come: the window states it.
+        self.placement: np.ndarray | None = None
         # Window `extra` keys filled at each flush from what an adapter has pending (e.g. the EPLB
         # policy's decisions since the last window); a None or empty answer adds nothing.
         self.extra_fields: dict[str, Callable[[], Any]] = {}
@@ -447,12 +450,17 @@ class EngineRecorder:
             return now if before is None else now - before
 
         fields["expert_tokens"] = np.stack([since_last("expert_tokens", i) for i in ids])
+        # Pairs whose id named no logical expert, per layer (PairCounter's discard bin): never silent.
+        discarded = [int(since_last("discarded_pairs", i)[0]) for i in ids if ("discarded_pairs", i) in got]
+        if len(discarded) == len(ids):
+            fields["extra"]["discarded_pairs"] = discarded
         slots = [since_last("slot_tokens", i) for i in ids if ("slot_tokens", i) in got]
         pmap = got.get(("map", -1), fields["physical_to_logical_map"])
         if len(slots) == len(ids) and pmap is not None and pmap is not False:
             fields["slot_tokens"], fields["physical_to_logical_map"] = np.stack(slots), pmap
         else:
-            fields["slot_tokens"], fields["physical_to_logical_map"] = None, None
+            static = None if self.placement is None else np.tile(self.placement, (len(ids), 1))
+            fields["slot_tokens"], fields["physical_to_logical_map"] = None, static
 
     def _take_ready(self) -> list[dict]:
         """Under _lock: the held windows whose counters are in and whose device step times are all in
