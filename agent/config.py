@@ -424,12 +424,10 @@ def _all_paths() -> list[tuple[str, str]]:
 
 
 # The flat names before sections: each agent section's and threshold's field kept its name, but for
-# these; SGLang's were `sglang_<field>`.
+# these; an engine's are its integration's to declare (Integration.flat_names).
 _RENAMED = {"history_windows": ("history", "windows"), "history_bytes": ("history", "bytes"),
             "verify_windows": ("verify", "windows"), "log_level": ("log", "level"),
-            "log_interval_seconds": ("log", "interval_seconds"), "actuator": ("sglang", "actuate")}
-_FLAT_SGLANG = ("dump_dir", "metrics_url", "poll_seconds", "placement_file", "num_experts", "model", "ep_group",
-                "location_file", "command", "command_timeout_seconds", "apply_seconds")
+            "log_interval_seconds": ("log", "interval_seconds")}
 
 
 def moved_settings() -> dict[str, tuple[str, str]]:
@@ -438,7 +436,8 @@ def moved_settings() -> dict[str, tuple[str, str]]:
     for section, name in _all_paths():
         if section not in engine_sections() and (section, name) not in _RENAMED.values():
             out[name] = (section, name)
-    out.update({f"sglang_{name}": ("sglang", name) for name in _FLAT_SGLANG})
+    for integration in registry.integrations():
+        out.update({old: (integration.settings_section, name) for old, name in integration.flat_names.items()})
     out.update(_RENAMED)
     return out
 

@@ -274,7 +274,8 @@ def choose_levers(view: GroupView, params: PolicyParams, evidence: Sequence[Tria
             # Per-rank totals show the imbalance; which experts to replicate or move needs their load.
             skip("placement", layer, f"{label} for {k} windows, but no plan: the windows carry per-rank totals "
                  "without per-expert counts (expert_tokens), so no replica or placement can be computed; "
-                 "add a source with per-expert counts (SGLang's expert-distribution dumps or its hook)")
+                 "add a source with per-expert counts (an engine's in-process hook or its expert-distribution dumps, "
+                 "docs/integrations.md)")
         elif layer in verdicts:
             lever = first["replicate"] or first["placement"]
             if lever is not None:

@@ -121,3 +121,43 @@ def test_every_package_folder_is_listed_for_the_install():
             parts = init.parent.relative_to(REPO / folder).parts
             found.add(".".join((package, *parts)))
     assert found - listed == set(), f"packages missing from pyproject's [tool.setuptools] packages: {found - listed}"
+
+
+ENGINE_NAMES = re.compile(r"sglang|vllm", re.IGNORECASE)
+
+
+def engine_names_in_code(source: str) -> list[tuple[int, str]]:
+    """(line, token) for each token of Python source that names an engine, comments and docstrings
+    aside: identifiers, strings (messages, labels, help texts) and f-strings are code."""
+    import io
+    import tokenize
+
+    tree = ast.parse(source)
+    docstrings = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            docstrings.add((body[0].lineno, body[0].col_offset))
+    found = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE) or tok.start in docstrings:
+            continue
+        if ENGINE_NAMES.search(tok.string):
+            found.append((tok.start[0], tok.string))
+    return found
+
+
+def test_the_agent_names_no_engine_in_its_code():
+    # An engine's names, config and labels live in its room (moewatch/integrations/<engine>/, through
+    # the registry): the agent, its policy and its daemon ask the registry and never name one.
+    named = [f"{path.relative_to(REPO)}:{line}: {token}" for path, _ in room_modules("agent")
+             for line, token in engine_names_in_code(path.read_text())]
+    assert not named, "\n".join(named)
+
+
+def test_engine_names_in_code_leaves_comments_and_docstrings_alone():
+    source = ('"""About vLLM."""\n\n\ndef f():\n    """SGLang\'s."""\n    # sglang here is a comment\n'
+              '    x = "vllm"\n    return sglang_dump_dir, f"{x} sglang"\n')
+    assert engine_names_in_code(source) == [(7, '"vllm"'), (8, "sglang_dump_dir"), (8, 'f"{x} sglang"')]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from moewatch.integrations import registry
 from moewatch.planner.rebalance import OUTCOMES as DECISION_OUTCOMES
 from moewatch.telemetry import Window
 
@@ -64,7 +65,8 @@ def record_rebalances(state: MetricsState, group: tuple[str, str], records: list
     """Count the engine's rebalance calls and their layers; the latest decision's predictions as gauges."""
     for r in records:
         result = "fallback" if r.get("fallback") is True else "decided"
-        engine = r["engine"] if r["engine"] in ("vllm", "sglang") else "other"  # a bounded label set
+        # A bounded label set: the registered integrations' runtimes, anything else "other".
+        engine = r["engine"] if registry.covering(r["engine"]) is not None else "other"
         state[CALLS_TOTAL].inc((*group, engine, result))
         if result == "fallback":
             continue

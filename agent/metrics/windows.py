@@ -87,7 +87,7 @@ LAYER_CAPACITY_FACTOR = Gauge("moewatch_layer_capacity_factor", LAYER, "Capacity
 LAYER_EFFECTIVE_CAPACITY_FACTOR = Gauge("moewatch_layer_effective_capacity_factor", LAYER,
                                         "Computed pairs over granted capacity (seed: > 0.8); absent when dropless.")
 LAYER_BALANCEDNESS = Gauge("moewatch_layer_balancedness_ratio", LAYER,
-                           "Mean over max of per-rank pairs (1 = balanced; vLLM/SGLang convention).", unit="ratio")
+                           "Mean over max of per-rank pairs (1 = balanced; the engines' EPLB convention).", unit="ratio")
 LAYER_A2A_EFFICIENCY = Gauge("moewatch_layer_a2a_efficiency_ratio", LAYER,
                              "Aurora lower bound over measured all-to-all time (1 = at the bound).", unit="ratio")
 LAYER_VERDICT = Gauge("moewatch_layer_verdict", (*LAYER, "verdict", "cause"),

@@ -14,8 +14,8 @@ an engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 from ..errors import InputError
 from ..plan import Plan
@@ -113,6 +113,9 @@ class Integration:
     wants_actuator: Callable[[Any], bool] = _actuate_setting
     # For the windows it covers when its engine takes no plan from outside: OBSERVE_ONLY with a reason.
     observe_only: ActuatorProperties | None = None
+    # {old name: field of its section} for settings it had in the agent's flat namespace before sections;
+    # the agent refuses an old name with its new place.
+    flat_names: Mapping[str, str] = field(default_factory=dict)
 
     def settings(self, cfg: Any) -> Any:
         """This integration's settings from the agent's config (None when it has no section)."""

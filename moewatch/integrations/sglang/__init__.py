@@ -19,6 +19,10 @@ from ..base import Actuator, GroupKey, Integration, Source
 from .settings import SECTION, SGLangSettings
 
 RUNTIME = "sglang"
+# Its settings' names in the agent's flat namespace before sections: `sglang_<field>`, and `actuator`.
+FLAT_NAMES = {**{f"sglang_{name}": name for name in (
+    "dump_dir", "metrics_url", "poll_seconds", "placement_file", "num_experts", "model", "ep_group", "location_file",
+    "command", "command_timeout_seconds", "apply_seconds")}, "actuator": "actuate"}
 
 
 def _source(settings: Any) -> Source | None:
@@ -36,4 +40,5 @@ def _actuator(settings: Any, connection_of: Callable[[GroupKey], Any]) -> Actuat
 
 
 INTEGRATION = Integration(name="sglang", runtimes=frozenset({RUNTIME}), settings_section=SECTION,
-                          settings_class=SGLangSettings, make_source=_source, make_actuator=_actuator)
+                          settings_class=SGLangSettings, make_source=_source, make_actuator=_actuator,
+                          flat_names=FLAT_NAMES)
