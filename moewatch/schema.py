@@ -12,7 +12,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from .telemetry import ARRAY_FIELDS, OPTIONAL_ARRAYS, REQUIRED_UNLESS, SCALAR_FIELDS, SCHEMA
+from .telemetry import ARRAY_FIELDS, OPTIONAL_ARRAYS, REQUIRED_UNLESS, SCALAR_FIELDS, SCHEMA, SHARD_KEY, SHARDS_KEY
 
 _MEANING = {
     "runtime": "runtime that produced the window: moewatch-runtime, sglang, vllm, ...",
@@ -81,6 +81,24 @@ def window_schema() -> dict[str, Any]:
         props[name] = {**spec, "description": meaning}
     for name in ("world_size", "num_layers", "num_experts", "num_slots", "top_k", "ranks_per_node"):
         props[name]["minimum"] = 1
+    # Shards (docs/telemetry.md, "Shards"): ranges against count and world_size are checked by moewatch.
+    count = {"type": "integer", "minimum": 0}
+    props[SHARD_KEY] = {
+        "type": "object", "required": ["index", "count", "rank", "sequence"],
+        "properties": {"index": {**count, "description": "which shard of the group's window, in [0, count)"},
+                       "count": {"type": "integer", "minimum": 1,
+                                 "description": "shards that make one whole window of the group"},
+                       "rank": {**count, "description": "EP rank whose tokens this shard routed, in [0, world_size)"},
+                       "sequence": {**count, "description": "window sequence all shards of one window share"}},
+        "description": "this window is one shard of its EP group's window (a process routing a share of the "
+                       "group's tokens); absent for a whole window"}
+    indices = {"type": "array", "items": count}
+    props[SHARDS_KEY] = {
+        "type": "object", "required": ["count", "received"],
+        "properties": {"count": {"type": "integer", "minimum": 1}, "received": indices, "missing": indices,
+                       "refused": indices},
+        "description": "a window the agent merged from shards: shard indices merged, missing at the deadline, "
+                       "and refused (disagreeing on sizes, map or epoch)"}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://moewatch.dev/schemas/window.v1.json",

@@ -81,6 +81,16 @@ EVIDENCE: dict[str, tuple[tuple[str, ...], ...]] = {
     "expert_load": (("expert_tokens",),),  # hot experts, expected traffic, routed pairs, any plan
 }
 
+# A shard of its group's window (docs/telemetry.md, "Shards"): the extra key a process that routes only a
+# share of the group's tokens writes, {"index", "count", "rank", "sequence"}; and the key a merged
+# window names its shards under, {"count", "received", "missing", "refused"} (missing or refused ones
+# make the missing-evidence kind SHARDS_EVIDENCE).
+SHARD_KEY = "shard"
+SHARDS_KEY = "shards"
+SHARDS_EVIDENCE = "shards"
+# Every missing-evidence kind: the field kinds, then the window-level one.
+EVIDENCE_KINDS: tuple[str, ...] = (*EVIDENCE, SHARDS_EVIDENCE)
+
 SCALAR_FIELDS: dict[str, type] = {
     "runtime": str,
     "model": str,
@@ -101,6 +111,81 @@ SCALAR_FIELDS: dict[str, type] = {
 
 class WindowError(InputError):
     """A window broke the contract; `field` names the first offending field."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which share of its EP group's window a window is (`extra.shard`): shard `index` of `count`, the
+    tokens EP rank `rank` routed, in the window `sequence` every shard of one window shares."""
+
+    index: int
+    count: int
+    rank: int
+    sequence: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"index": self.index, "count": self.count, "rank": self.rank, "sequence": self.sequence}
+
+
+def parse_shard(value: Any, world_size: int) -> Shard:
+    """The `shard` object of a window of `world_size` ranks as a Shard; WindowError naming
+    `shard.<key>` when it is malformed or out of range (unknown keys are left alone)."""
+    if not isinstance(value, Mapping):
+        raise WindowError(SHARD_KEY, f"expected an object {{index, count, rank, sequence}}, got {type(value).__name__}")
+    parsed = {}
+    for key in ("index", "count", "rank", "sequence"):
+        if key not in value:
+            raise WindowError(f"{SHARD_KEY}.{key}", "missing")
+        item = value[key]
+        if isinstance(item, bool) or not isinstance(item, (int, np.integer)) or item < 0:
+            raise WindowError(f"{SHARD_KEY}.{key}", f"expected a non-negative integer, got {item!r}")
+        parsed[key] = int(item)
+    if parsed["count"] < 1:
+        raise WindowError(f"{SHARD_KEY}.count", "must be at least 1")
+    if parsed["index"] >= parsed["count"]:
+        raise WindowError(f"{SHARD_KEY}.index", f"{parsed['index']} is outside [0, count {parsed['count']})")
+    if parsed["rank"] >= world_size:
+        raise WindowError(f"{SHARD_KEY}.rank", f"{parsed['rank']} is outside [0, world_size {world_size})")
+    return Shard(**parsed)
+
+
+@dataclass(frozen=True)
+class ShardsReport:
+    """A merged window's account of its shards (`extra.shards`): shard indices in [0, count) that
+    were merged (`received`), never arrived by the deadline (`missing`), or were refused (`refused`:
+    they disagreed with the others on sizes, map or epoch)."""
+
+    count: int
+    received: tuple[int, ...]
+    missing: tuple[int, ...] = ()
+    refused: tuple[int, ...] = ()
+
+    @property
+    def absent(self) -> tuple[int, ...]:
+        """Shards the window lacks: missing or refused."""
+        return tuple(sorted({*self.missing, *self.refused}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "received": list(self.received), "missing": list(self.missing),
+                "refused": list(self.refused)}
+
+
+def parse_shards_report(value: Any) -> ShardsReport:
+    """The `shards` object of a merged window; WindowError naming `shards.<key>` when malformed."""
+    if not isinstance(value, Mapping):
+        raise WindowError(SHARDS_KEY, f"expected an object {{count, received, missing, refused}}, "
+                                      f"got {type(value).__name__}")
+    count = value.get("count")
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+        raise WindowError(f"{SHARDS_KEY}.count", f"expected an integer >= 1, got {count!r}")
+    lists = {}
+    for key in ("received", "missing", "refused"):
+        items = value.get(key, [])
+        if not isinstance(items, list) or any(isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                                              or not 0 <= i < count for i in items):
+            raise WindowError(f"{SHARDS_KEY}.{key}", f"expected a list of shard indices in [0, {count})")
+        lists[key] = tuple(int(i) for i in items)
+    return ShardsReport(int(count), **lists)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -170,8 +255,25 @@ class Window:
 
     @property
     def missing_evidence(self) -> list[str]:
-        """Evidence kinds (EVIDENCE) this window cannot support, in EVIDENCE order."""
-        return [kind for kind, options in EVIDENCE.items() if not any(self.has(*opt) for opt in options)]
+        """Evidence kinds (EVIDENCE_KINDS) this window cannot support, in that order: the field kinds
+        (EVIDENCE), then `shards` when a merged window lacks some of its group's shards."""
+        kinds = [kind for kind, options in EVIDENCE.items() if not any(self.has(*opt) for opt in options)]
+        report = self.shards_report
+        if report is not None and report.absent:
+            kinds.append(SHARDS_EVIDENCE)
+        return kinds
+
+    @property
+    def shard(self) -> Shard | None:
+        """Which shard of its group's window this is (extra.shard), or None for a whole window."""
+        value = self.extra.get(SHARD_KEY)
+        return None if value is None else parse_shard(value, self.world_size)
+
+    @property
+    def shards_report(self) -> ShardsReport | None:
+        """A merged window's account of its shards (extra.shards), or None."""
+        value = self.extra.get(SHARDS_KEY)
+        return None if value is None else parse_shards_report(value)
 
     @property
     def nbytes(self) -> int:
@@ -381,6 +483,10 @@ def validate(w: Window) -> None:
         per_rank = w.slot_tokens.reshape(L, W, P // W).sum(axis=2)
         _check_layers("slot_tokens", np.any(per_rank != w.local_tokens + w.received_tokens, axis=1),
                       "a rank's slots do not add up to its local + received pairs")
+    if w.extra.get(SHARD_KEY) is not None:
+        parse_shard(w.extra[SHARD_KEY], W)
+    if w.extra.get(SHARDS_KEY) is not None:
+        parse_shards_report(w.extra[SHARDS_KEY])
     if STEP_A2A_KEY in w.extra:
         value = w.extra[STEP_A2A_KEY]
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
@@ -825,6 +931,29 @@ def compute_max_mean(w: Window) -> np.ndarray | None:
     if w.compute_seconds is None:
         return None
     return _ratio(w.compute_seconds.max(axis=1), w.compute_seconds.mean(axis=1), empty=1.0)
+
+
+@_once
+def pair_seconds_relative(w: Window) -> np.ndarray | None:
+    """[L, W] each rank's expert compute seconds per pair in a layer over the median rank's (1.0 a
+    typical rank, 1.5 one that takes half as long again per pair): a slow device in one layer, with
+    the load taken out (compute time grows with pairs, so raw time max/mean reads a busy rank as a
+    slow one). NaN for a rank that computed no pairs, and for every rank of a layer where no rank
+    did; None without compute time or rank load."""
+    load = rank_load(w)
+    if load is None or w.compute_seconds is None:
+        return None
+    per_pair = np.full(load.shape, np.nan)
+    np.divide(w.compute_seconds, load, out=per_pair, where=load > 0)
+    out = np.full(load.shape, np.nan)
+    timed = np.isfinite(per_pair).any(axis=1)
+    if timed.any():
+        rows = per_pair[timed]
+        median = np.nanmedian(rows, axis=1)[:, None]
+        ratio = np.full(rows.shape, np.nan)
+        np.divide(rows, median, out=ratio, where=median > 0)  # a median rank that took no time: unknown
+        out[timed] = ratio
+    return out
 
 
 @_once

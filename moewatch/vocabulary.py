@@ -14,8 +14,9 @@ CAUSES = ("volume", "placement", "small-batch", "hot-experts", "straggler")
 # What the triage proposes for a layer.
 ACTION_KINDS = ("replicate", "capacity", "placement", "batch", "schedule")
 # What a window may lack (telemetry.EVIDENCE, by the same names, says which fields each needs).
+# `shards`: a merged window that lacks some of its group's shards (its counts cover the rest only).
 EVIDENCE_KINDS = ("a2a_time", "rank_load", "cross_rank", "capacity", "compute_time", "layer_time", "steps",
-                  "expert_load")
+                  "expert_load", "shards")
 
 # --- the agent ----------------------------------------------------------------------------------
 # What the agent decides about: the triage's actions, and undoing a plan.

@@ -72,6 +72,11 @@ class Hello:
     protocol: int = PROTOCOL_VERSION
     # What the runtime can do: "plan" (applies placement plans), "capacity" (capacity factor).
     capabilities: tuple[str, ...] = ()
+    # A process that sends shards of its group's windows (docs/telemetry.md, "Shards"): shard
+    # `shard_index` of `shard_count`. The defaults are a whole group's runtime; a hello framed with
+    # the defaults leaves both out, so an agent that predates them reads it as before.
+    shard_index: int = 0
+    shard_count: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capabilities", tuple(self.capabilities))
@@ -79,10 +84,25 @@ class Hello:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"hello.{name}: must be a string")
         for name in ("world_size", "num_layers", "num_experts", "num_slots", "epoch", "ranks_per_node",
-                     "pid", "protocol"):
+                     "pid", "protocol", "shard_index", "shard_count"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"hello.{name}: must be a non-negative integer")
+        if self.shard_count < 1:
+            raise ValueError("hello.shard_count: must be at least 1")
+        if self.shard_index >= self.shard_count:
+            raise ValueError(f"hello.shard_index: {self.shard_index} is outside [0, shard_count {self.shard_count})")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the process sends shards of its group's windows (one of several)."""
+        return self.shard_count > 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        if self.shard_count == 1 and self.shard_index == 0:
+            del out["shard_index"], out["shard_count"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -141,7 +161,7 @@ def encode(message: Message, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> 
         raise TypeError(f"cannot frame a {type(message).__name__}")
     if ftype is FrameType.WINDOW:
         payload = message.to_bytes()
-    elif ftype is FrameType.PLAN:
+    elif ftype in (FrameType.PLAN, FrameType.HELLO):
         payload = _json_bytes(message.to_dict())
     else:
         payload = _json_bytes(asdict(message))

@@ -96,7 +96,7 @@ LAYER_EVIDENCE_MISSING = Gauge(
     "moewatch_layer_evidence_missing", (*LAYER, "evidence"),
     "1 when the layer's latest window lacked this evidence (a2a_time, rank_load, cross_rank, capacity, "
     "compute_time, layer_time, steps, expert_load): that triage step was unknown and its series are "
-    "absent; 0 when measured.")
+    "absent; or (shards) the merged window lacked some of its group's shards; 0 when measured.")
 LAYER_EXPERT_LOAD_SHARE = Histogram(
     "moewatch_layer_expert_load_share", LAYER,
     "Each expert's pairs over the layer's mean expert pairs, one observation per expert per window "
@@ -199,7 +199,7 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
                                            chunk=group)
     state[LAYER_EVIDENCE_MISSING].set_many(
         [((*layer_keys[d.layer], kind), 1.0 if kind in d.missing else 0.0)
-         for d in diagnosis.layers for kind in tm.EVIDENCE], chunk=group)
+         for d in diagnosis.layers for kind in tm.EVIDENCE_KINDS], chunk=group)
     if max_min is None:
         state[LAYER_RANK_LOAD_MAX_MIN].remove_many(layer_keys)
         state[RANK_LOAD_PAIRS].remove_many([k for row in rank_keys for k in row])
