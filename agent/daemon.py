@@ -371,18 +371,21 @@ class Daemon:
             old = self._connections.get(key)
             self._connections[key] = conn
         if old is not None and old is not conn:
-            log.info("group %s/%s: connection %d replaces %d", *key, conn.id, old.id)
+            self._throttle.log(log, logging.INFO, "replace", "group %s/%s: connection %d replaces %d", *key, conn.id,
+                               old.id)
             old.close()
         conn.group, conn.hello = key, hello
         if group.on_hello(hello, conn.id):
-            log.info("group %s/%s: runtime %s (pid %d) at epoch %d starts a new lineage", *key, hello.runtime,
-                     hello.pid, hello.epoch)
+            self._throttle.log(log, logging.INFO, "lineage", "group %s/%s: runtime %s (pid %d) at epoch %d starts a "
+                               "new lineage", *key, hello.runtime, hello.pid, hello.epoch)
             self.controller.abandon(group, f"runtime restarted (hello at epoch {hello.epoch})")
         self.metrics[RUNTIME_CONNECTED].set(key, 1)
         self.metrics[EPOCH].set(key, hello.epoch)
-        log.info("runtime %s (pid %d) connected: %s/%s, %d ranks, %d layers, %d experts in %d slots, epoch %d",
-                 hello.runtime, hello.pid, *key, hello.world_size, hello.num_layers, hello.num_experts,
-                 hello.num_slots, hello.epoch)
+        # Connect, replace and disconnect lines are throttled like rejections: one per kind per log interval
+        # with a tally (a peer reconnecting in a loop, or many hostile ones, would flood the log).
+        self._throttle.log(log, logging.INFO, "connect", "runtime %s (pid %d) connected: %s/%s, %d ranks, %d layers, "
+                           "%d experts in %d slots, epoch %d", hello.runtime, hello.pid, *key, hello.world_size,
+                           hello.num_layers, hello.num_experts, hello.num_slots, hello.epoch)
         return None
 
     def ingest_window(self, window: Window, capabilities: Iterable[str] = ()) -> str | None:
@@ -432,7 +435,7 @@ class Daemon:
         group = self.store.get(conn.group)
         if group is not None and group.on_disconnect(conn.id):
             self.metrics[RUNTIME_CONNECTED].set(conn.group, 0)
-            log.info("runtime of %s/%s disconnected", *conn.group)
+            self._throttle.log(log, logging.INFO, "disconnect", "runtime of %s/%s disconnected", *conn.group)
 
     # --- jobs ---------------------------------------------------------------------------------------
     def _per_group(self, job: str, group: GroupStore, work: Callable[[], None]) -> None:

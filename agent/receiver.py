@@ -541,10 +541,4 @@ class Receiver:
             log.exception("connection %d: disconnect handler failed", conn.id)
 
     def _log_throttled(self, key: str, level: int, message: str, *args) -> None:
-        held = self._throttle(key)
-        if held is None:
-            return
-        if held:
-            message += " (%d more like this since the last line)"
-            args = (*args, held)
-        log.log(level, message, *args)
+        self._throttle.log(log, level, key, message, *args)

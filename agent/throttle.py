@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Callable
@@ -28,3 +29,13 @@ class Throttle:
                 return None
             self._last[key] = now
             return self._held.pop(key, 0)
+
+    def log(self, logger: logging.Logger, level: int, key: str, message: str, *args) -> None:
+        """`message` unless held back; the first line after held ones says how many were."""
+        held = self(key)
+        if held is None:
+            return
+        if held:
+            message += " (%d more like this since the last line)"
+            args = (*args, held)
+        logger.log(level, message, *args)

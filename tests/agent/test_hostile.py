@@ -324,6 +324,44 @@ def test_a_flood_of_bad_frames_is_counted_but_logged_once_per_reason(start_agent
     assert len(lines) == 1
 
 
+def test_a_reconnect_loop_is_logged_once_per_kind_with_a_tally(start_agent, helpers, caplog):
+    # A peer reconnecting in a loop (or many hostile ones) gave a connect, replace and disconnect line
+    # each time: about 5,100 lines under a fuzz load. Now one per kind per log interval.
+    daemon = start_agent(log={"interval_seconds": 3600})
+    with caplog.at_level(logging.INFO, logger="moewatch.agent"):
+        held = [helpers.FakeRuntime(daemon.cfg.server.socket).connect() for _ in range(2)]  # the 2nd replaces
+        assert held[0].closed_by_peer()  # replaced by the 2nd
+        for _ in range(10):  # connect, then leave: each is the group's runtime, then disconnects
+            before = daemon.connection_of(("m", "g"))
+            rt = helpers.FakeRuntime(daemon.cfg.server.socket).connect()
+            assert helpers.wait_for(lambda: daemon.connection_of(("m", "g")) not in (None, before))
+            rt.close()
+            assert helpers.wait_for(lambda: daemon.connection_of(("m", "g")) is None)
+        for rt in held:
+            rt.close()
+
+    def lines(text):
+        return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+    assert len(lines(") connected: m/g")) == 1
+    assert len(lines("replaces")) == 1
+    assert len(lines("runtime of m/g disconnected")) == 1
+
+
+def test_a_throttled_line_after_held_ones_says_how_many(caplog):
+    from moewatch.agent.throttle import Throttle
+
+    now = [0.0]
+    throttle = Throttle(10.0, clock=lambda: now[0])
+    logger = logging.getLogger("moewatch.agent.test")
+    with caplog.at_level(logging.INFO, logger="moewatch.agent.test"):
+        for t in (0.0, 1.0, 2.0, 10.5, 11.0):
+            now[0] = t
+            throttle.log(logger, logging.INFO, "connect", "runtime %s connected", "r")
+    assert [r.getMessage() for r in caplog.records] == [
+        "runtime r connected", "runtime r connected (2 more like this since the last line)"]
+
+
 def test_skipped_scheduler_runs_log_one_line_per_interval(caplog):
     import time
 
