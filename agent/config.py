@@ -308,8 +308,9 @@ class LogSettings:
     audit_log: str = setting(default_audit_path, "append-only JSONL of every decision",
                              default_text="$STATE_DIRECTORY/audit.jsonl, else /var/lib/moewatch/audit.jsonl")
     level: str = setting("info", "log verbosity", choices=LOG_LEVELS)
-    interval_seconds: float = setting(60.0, "repeated warnings (rejected frames, refused connections, skipped "
-                                            "jobs) are logged at most once per reason per interval", kind=float,
+    interval_seconds: float = setting(60.0, "repeated lines (rejected frames, refused connections, runtimes "
+                                            "connecting and leaving, skipped jobs) are logged at most once per "
+                                            "reason per interval", kind=float,
                                       lo=0.01, hi=86_400)
 
     def __post_init__(self) -> None:
