@@ -22,6 +22,7 @@ from . import metrics as _metrics
 from .metrics import actions, connections, groups, identity, jobs
 from .metrics import engine_rebalance as er
 from .metrics import rank_speed as rs
+from .metrics import shards
 from .metrics import slo
 from .metrics import windows as w
 from .metrics.family import GROUP, LAYER, Counter, Family, Gauge, Histogram  # noqa: F401  (re-exported)
@@ -58,6 +59,9 @@ METRICS: tuple[Family, ...] = (
     er.CALLS_TOTAL, er.LAYERS_TOTAL, er.EXPERTS_MOVED_TOTAL, er.BALANCEDNESS, er.PREDICTED_STALL, er.SOLVE_SECONDS,
     er.VERDICTS_TOTAL, er.LAYERS_WORSE_TOTAL,
     w.LAYER_UNHEALTHY_WINDOWS,
+    # --- per sharded EP group, the shard merge
+    shards.SHARD_WINDOWS_TOTAL, shards.SHARDS_MISSING_TOTAL, shards.SHARDS_REFUSED_TOTAL,
+    shards.SHARD_SEQUENCES_PENDING, shards.DIGEST_MISMATCHES_TOTAL,
     # --- per EP group, the engine's own SLO signals over the latest scrape interval (slo: section)
     slo.LATENCY, slo.REQUESTS, slo.TARGET, slo.BREACHED, slo.BREACHED_SECONDS, slo.MOE_EXPLAINED, slo.MOE_SHARE,
     # --- the agent itself

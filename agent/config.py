@@ -160,11 +160,28 @@ class LimitsSettings:
                                                   "forgotten and its series removed", kind=float, lo=0.1,
                                           hi=365 * 86_400)
 
+    # A sharded group (one process per DP rank sends a shard of each window, docs/telemetry.md): how long
+    # and how many of its window sequences are held for their shards.
+    shard_deadline_windows: float = setting(1.0, "a sharded group's window sequence whose shards are not all in "
+                                                 "this many window lengths (its first shard's end_time - "
+                                                 "start_time) after its first shard arrived is merged and triaged "
+                                                 "without them, naming them missing", kind=float, lo=0.01, hi=1000)
+    shard_min_deadline_seconds: float = setting(2.0, "that deadline is never shorter than this (the shards of short "
+                                                     "windows still get time to cross the network)", kind=float,
+                                                lo=0, hi=3600)
+    max_shard_sequences: int = setting(8, "window sequences of one sharded group held for their shards at once; "
+                                          "past it the oldest is merged with the shards it has", kind=int, lo=1,
+                                       hi=10_000)
+
     def __post_init__(self) -> None:
         check_section(self, "limits")
         if self.buffer_budget_bytes < self.max_frame_bytes:
             raise ConfigError(f"limits.buffer_budget_bytes: {self.buffer_budget_bytes} is below "
                               f"limits.max_frame_bytes {self.max_frame_bytes} (one whole frame must fit)")
+
+    def shard_deadline_seconds(self, window_seconds: float) -> float:
+        """How long a sharded group's sequence of windows `window_seconds` long waits for its shards."""
+        return max(self.shard_deadline_windows * max(window_seconds, 0.0), self.shard_min_deadline_seconds)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from .metrics.windows import EPOCH, record_window
 from .health import Check, Health, HttpSecurity, SystemdNotifier, WebServer, health_body
 from .jobs import Jobs
 from .receiver import CLOSED_REASONS, Connection, Limits, Receiver, TcpListenError
+from .shards import ShardStep
 from .throttle import Throttle
 from .store import GroupStore, Store, TriagedWindow
 
@@ -117,7 +118,11 @@ class Daemon:
         self._throttle = Throttle(cfg.log.interval_seconds)
         self.health = Health()
         self.window_listeners: list[Callable[[GroupStore, TriagedWindow], None]] = []
-        self._connections: dict[tuple[str, str], Connection] = {}
+        # (model, ep_group), or (model, ep_group, shard_index) for a shard's process (connection_key)
+        self._connections: dict[tuple, Connection] = {}
+        # Shards of a sharded group's windows are merged here before the store sees them.
+        self.shards = ShardStep(cfg.limits, self.metrics, lambda: self.audit, self._accept_merged,
+                                cfg.log.interval_seconds)
         self._conn_lock = threading.Lock()
         self._stop = threading.Event()
         self._stopped = False
@@ -288,13 +293,16 @@ class Daemon:
         group = self.store.get(conn.group) if conn.group else None
         if group is None:
             return "out_of_order"  # anything before a hello
-        if group.connection_id != conn.id:
+        if not group.is_current(conn.id, conn.hello):
             # A connection replaced by a newer hello of its group (frames decoded in the same read as
             # it was closed): an old runtime's window or Ack must not move the new one's epoch fence.
             return "replaced"
         if isinstance(msg, Window):
             if (msg.model, msg.ep_group) != group.key:
                 return "mismatch"
+            if msg.shard is not None:
+                self.shards.offer(msg)  # merged with its sequence's other shards, then accepted
+                return None
             return group.accept_window(msg)
         if isinstance(msg, Ack):
             # Off the receiver's thread: the controller's lock can be held by a planning run, and the
@@ -354,10 +362,17 @@ class Daemon:
             if reason is not None:
                 self._on_reject(conn, reason, f"ack rejected: {reason}")
 
+    @staticmethod
+    def connection_key(hello: Hello) -> tuple:
+        """Whose connection it is: the group's, or one shard's of a sharded group (shards do not
+        replace each other; connection_of(group) finds none, so a sharded group is sent no plans)."""
+        key = (hello.model, hello.ep_group)
+        return (*key, hello.shard_index) if hello.sharded else key
+
     def _on_hello(self, conn: Connection, hello: Hello) -> str | None:
         key = (hello.model, hello.ep_group)
-        if conn.group is not None and conn.group != key:
-            return "mismatch"
+        if conn.group is not None and self.connection_key(conn.hello) != self.connection_key(hello):
+            return "mismatch"  # another group, or another shard of it, on the same connection
         problem = check_hello(hello, self.cfg)
         if problem is not None:
             reason, detail = problem
@@ -367,9 +382,12 @@ class Daemon:
         if group is None:
             return "too_many_groups"
         init_group(self.metrics, key)
+        if hello.sharded:
+            self.shards.on_hello(key)
+        conn_key = self.connection_key(hello)
         with self._conn_lock:
-            old = self._connections.get(key)
-            self._connections[key] = conn
+            old = self._connections.get(conn_key)
+            self._connections[conn_key] = conn
         if old is not None and old is not conn:
             self._throttle.log(log, logging.INFO, "replace", "group %s/%s: connection %d replaces %d", *key, conn.id,
                                old.id)
@@ -378,6 +396,7 @@ class Daemon:
         if group.on_hello(hello, conn.id):
             self._throttle.log(log, logging.INFO, "lineage", "group %s/%s: runtime %s (pid %d) at epoch %d starts a "
                                "new lineage", *key, hello.runtime, hello.pid, hello.epoch)
+            self.shards.forget(key)  # the shards held were the old processes'
             self.controller.abandon(group, f"runtime restarted (hello at epoch {hello.epoch})")
         self.metrics[RUNTIME_CONNECTED].set(key, 1)
         self.metrics[EPOCH].set(key, hello.epoch)
@@ -412,6 +431,15 @@ class Daemon:
             self._on_reject(None, reason, f"{window.runtime} window of {key[0]}/{key[1]}")
         return reason
 
+    def _accept_merged(self, window: Window) -> str | None:
+        """A window merged from a sharded group's shards passes the same gate as a runtime's."""
+        key = (window.model, window.ep_group)
+        group = self.store.get(key)
+        reason = "out_of_order" if group is None else group.accept_window(window)
+        if reason is not None:
+            self._on_reject(None, reason, f"merged window of {key[0]}/{key[1]}")
+        return reason
+
     def _on_reject(self, conn: Connection | None, reason: str, detail: str, count: bool = True) -> None:
         if count:
             self.metrics[FRAMES_REJECTED_TOTAL].inc((reason,))
@@ -429,9 +457,10 @@ class Daemon:
     def _on_disconnect(self, conn: Connection) -> None:
         if conn.group is None:
             return
+        conn_key = self.connection_key(conn.hello) if conn.hello is not None else conn.group
         with self._conn_lock:
-            if self._connections.get(conn.group) is conn:
-                del self._connections[conn.group]
+            if self._connections.get(conn_key) is conn:
+                del self._connections[conn_key]
         group = self.store.get(conn.group)
         if group is not None and group.on_disconnect(conn.id):
             self.metrics[RUNTIME_CONNECTED].set(conn.group, 0)
@@ -453,7 +482,9 @@ class Daemon:
             self._per_group("plan", group, lambda g=group: self.controller.plan_group(g))
 
     def triage_job(self) -> None:
-        """Triage every window that arrived since the last run, in order."""
+        """Triage every window that arrived since the last run, in order (sharded groups' sequences
+        whose deadline passed are merged first)."""
+        self.shards.flush_due()
         for group in self.store.groups():
             self._per_group("triage", group, lambda g=group: self._triage_group(g))
 
@@ -547,6 +578,7 @@ class Daemon:
         self.controller.abandon(group, f"group {how}: its runtime left")
         self.store.remove(group.key)
         self.controller.forget(group.key)
+        self.shards.forget(group.key)
         self._rebalance_checks.pop(group.key, None)
         self.metrics.remove_group(group.key)
         self.metrics[GROUPS_EVICTED_TOTAL if how == "evicted" else GROUPS_RETIRED_TOTAL].inc(())
@@ -595,6 +627,7 @@ class Daemon:
             item = group.status()
             item["control"] = self.controller.status(group.key)
             item["engine_rebalance"] = self._rebalance_status.get(group.key)
+            item["shards"] = self.shards.status(group.key)
             groups.append(item)
         return {"agent": {"version": __version__, "mode": self.cfg.policy.mode, "socket": self.cfg.server.socket,
                           "started_at": self.started_at, "audit_log": self.cfg.log.audit_log,

@@ -52,6 +52,10 @@ class GroupStore:
     runtime_windows_lost: dict = field(default_factory=dict)
     lineage: int = 0  # bumped when a different runtime process takes the group over (a restart)
     left_at: float | None = None  # when the last runtime disconnected (for retirement)
+    # A sharded group (hellos with shard_count > 1, one process per shard): each shard index's current
+    # connection and hello; the group is connected while any of them is.
+    shard_connections: dict = field(default_factory=dict)
+    shard_hellos: dict = field(default_factory=dict)
     last_heartbeat: float | None = None
     last_window_received: float | None = None
     history_nbytes: int = 0
@@ -77,6 +81,15 @@ class GroupStore:
             old = self.hello
             if old is None:
                 return False
+            if hello.sharded or old.sharded:
+                # Shards are several processes: a restart is a shard index's process changing (another
+                # pid or runtime), or the layout changing (shard count); a shard's hello epoch may lag
+                # the merged windows' and says nothing of a restart.
+                if hello.shard_count != old.shard_count:
+                    return True
+                mine = self.shard_hellos.get(hello.shard_index)
+                return mine is not None and (hello.runtime != mine.runtime
+                                             or (hello.pid != mine.pid and bool(hello.pid) and bool(mine.pid)))
             return (hello.epoch < self.epoch_in_force or hello.runtime != old.runtime
                     or (hello.pid != old.pid and bool(hello.pid) and bool(old.pid)))
 
@@ -91,6 +104,12 @@ class GroupStore:
                 self.history_nbytes = 0
                 # The count is per runtime process: a reconnect of the same one continues it.
                 self.runtime_frames_dropped = 0
+            if new_lineage or not hello.sharded:
+                self.shard_connections.clear()
+                self.shard_hellos.clear()
+            if hello.sharded:
+                self.shard_connections[hello.shard_index] = connection_id
+                self.shard_hellos[hello.shard_index] = hello
             self.hello = hello
             self.connection_id = connection_id
             self.connected = True
@@ -105,11 +124,26 @@ class GroupStore:
     def on_disconnect(self, connection_id: int) -> bool:
         """Mark the group disconnected if this connection is still its current one."""
         with self.lock:
-            if self.connection_id != connection_id:
+            if self.shard_connections:
+                index = next((i for i, c in self.shard_connections.items() if c == connection_id), None)
+                if index is None:
+                    return False
+                del self.shard_connections[index]
+                if self.shard_connections:
+                    return False  # other shards' processes are still connected
+            elif self.connection_id != connection_id:
                 return False
             self.connected = False
             self.left_at = time.time()
             return True
+
+    def is_current(self, connection_id: int, hello: Hello | None) -> bool:
+        """Whether a connection still speaks for the group (or, sharded, for its shard index): not
+        replaced by a newer hello."""
+        with self.lock:
+            if hello is not None and hello.sharded:
+                return self.shard_connections.get(hello.shard_index) == connection_id
+            return self.connection_id == connection_id
 
     # --- windows ------------------------------------------------------------------------------
     def check_window(self, w: Window) -> str | None:
