@@ -1,35 +1,48 @@
-"""A hook factory for SGLang's `--forward-hooks`: pairs per layer and slot, counted on the device.
-
-SGLang registers each factory's hook once, when the model runner starts, on every module whose name
-matches the spec's fnmatch patterns (python/sglang/srt/model_executor/hook_manager.py). Target the
-MoE layers' top-k modules; their output carries `topk_ids` [N, k] (StandardTopKOutput and its kin in
-python/sglang/srt/layers/moe/topk.py), physical slot ids when SGLang remaps experts (EPLB, redundant
-experts), logical ids otherwise; padded tokens hold -1.
+"""A hook factory for SGLang's `--forward-hooks`: pairs per layer and slot, counted on the device,
+through SGLang's own expert-distribution recorder wherever it is on.
 
     --forward-hooks '[{"name": "moewatch", "target_modules": ["model.layers.*.mlp.topk"],
       "hook_factory": "moewatch.runtime.engines.sglang_hooks:topk_counter",
       "config": {"num_layers": 61, "num_experts": 256, "ep_size": 8, "model": "deepseek-v3"}}]'
+    --expert-distribution-recorder-mode stat     (needed with CUDA graphs or two-batch overlap)
 
-Graph-safe: the counters [L, P + 2] are allocated once, in the factory, on the model's device; a hook
-call only adds into them (scatter_add_ and add_ on views: no allocation of state, no host sync, no
-Python-side state that CUDA graph replay would skip). Counters are never reset on the device: a
-background thread copies them every `window_seconds` (on a side stream on a GPU) and the window is
-the difference from the previous copy. Column P counts ids outside [0, P) (padding, fused shared
-experts), column P + 1 the layer's forward passes (the window's steps).
+SGLang calls the factory once per model runner, in `finalize_cuda_graph_capture`
+(model_executor/model_runner_components/cuda_graph_setup.py), AFTER it has captured its CUDA graphs:
+a forward hook never runs when a graph replays, so on its own it counts only eager passes (prefill,
+and decode with graphs off). Where graphs or two-batch overlap run, the counts come from SGLang's
+expert-distribution recorder instead (eplb/expert_distribution.py): its gatherer adds each layer's
+top-k ids into a device buffer inside the captured graphs, and at the end of every forward pass
+(graph replay included, and both micro-batches of two-batch overlap together) hands that pass's
+[L, P] physical counts to its accumulator's `append`. The factory attaches there
+(`RecorderTap`): one in-place add into moewatch's counters per pass, on the model's stream, no host
+sync; it starts the recorder when it is not recording and its `stat` buffer is bounded. Without the
+recorder, a layout with CUDA graphs or two-batch overlap is refused with one warning naming SGLang's
+version and the flag to set; so are top-k formats without expert ids (Triton-kernel, FlashInfer
+TRT-LLM's and MXFP4's in-kernel routing), which neither a hook nor the recorder sees
+(sglang_layout.py has every rule).
 
-Reported once per EP group: only the group's first rank (global rank % ep_size == 0) builds a hook;
-with attention data parallelism each rank routes its own tokens, so set `"per_rank": true` to have
-every rank report its own share as group `<ep_group>-rank<r>`. Windows carry `runtime: "sglang"`,
-the map in force (SGLang's, read at flush, when its expert-location metadata is published; else the
-config's `physical_to_logical_map`; else the trivial one, slot s = expert s % E), per-slot counts and
-the logical counts through the map; timings and per-step batch sizes are absent. SGLang's MoE is
-dropless: dropped and rerouted pairs are zeros.
+The counters [L, P + 2] are allocated once, on the model's device, and never reset: a background
+thread copies them (on a side stream on a GPU) at every multiple of `window_seconds` of wall-clock
+time, and the window is the difference from the previous copy. Column P counts ids outside [0, P)
+(forward-hook path: padding, fused shared experts), column P + 1 the hook's layer calls.
+
+Which processes report: where each attention-DP rank routes its own tokens (DeepEP and the other
+all-to-all backends), every rank sends a shard of its EP group's window (`shard`: index = its
+attention-DP rank, count = the attention-DP size, rank = its MoE EP rank, sequence = the wall-clock
+bucket), which the agent merges; elsewhere every rank routes the whole batch and TP rank 0 reports.
+Windows carry `runtime: "sglang"`, the map in force (SGLang's, read at flush, when its expert-location
+metadata is published; else the config's `physical_to_logical_map`; else the trivial one, slot
+s = expert s % E), per-slot counts and the logical counts through the map; timings and per-step batch
+sizes are absent. Under DeepEP's dispatch-count gatherers the counts are what this rank's slots
+received (`source.counts: "received"`). SGLang's MoE is dropless: dropped and rerouted pairs are zeros.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -42,7 +55,7 @@ import torch
 from moewatch import wire
 from moewatch.telemetry import Window, WindowError
 
-from . import sglang_eplb
+from . import sglang_eplb, sglang_layout
 from .common import Sink, env_sinks, logical_window
 
 log = logging.getLogger("moewatch.runtime.engines.sglang")
@@ -111,15 +124,20 @@ class HookConfig:
 
 
 class TopKCounter:
-    """The hook: `(module, inputs, output) -> None`, output untouched."""
+    """The hook: `(module, inputs, output) -> None`, output untouched. With a recorder attached
+    (`attach_recorder`) the recorder counts and the hook only watches for outputs without ids."""
 
     def __init__(self, cfg: HookConfig, sinks: list[Sink], *, device: torch.device | str | None = None,
-                 rank: int = 0, closers: tuple = (), start_thread: bool = True):
+                 rank: int = 0, closers: tuple = (), start_thread: bool = True, shard: Mapping | None = None,
+                 ranks_per_node: int | None = None, counts_received: bool = False):
         self.cfg = cfg
         self.sinks = list(sinks)
         self._closers = list(closers)
         self.rank = rank
-        self.ep_group = f"{cfg.ep_group}-rank{rank}" if cfg.per_rank else cfg.ep_group
+        self.ep_group = cfg.ep_group
+        self.shard = dict(shard) if shard is not None else None
+        self.ranks_per_node = ranks_per_node or cfg.ep_size
+        self.counts_received = counts_received
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -130,6 +148,13 @@ class TopKCounter:
         self._last_time = time.time()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.recorder: Any = None  # SGLang's recorder when it counts (RecorderTap)
+        self._pass_numbers = itertools.count(1)
+        self._passes = 0  # forward passes the recorder handed over (host side: no sync)
+        self._last_passes = 0
+        self._active = False  # the previous window had passes (a shard is then sent even when empty)
+        self._idless_layers: set = set()
+        self._warned: set[str] = set()
         self.windows_built = 0
         self.windows_invalid = 0
         self._thread = None
@@ -142,8 +167,15 @@ class TopKCounter:
     def __call__(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
         ids = getattr(output, "topk_ids", None)
         layer = getattr(module, "layer_id", None)
-        if ids is None or layer is None or not 0 <= layer < self.cfg.num_layers:
-            return None  # a top-k format without ids (bypassed, Triton kernel) or a module outside the map
+        if ids is None:
+            if layer not in self._idless_layers:
+                self._idless_layers.add(layer)
+                self._warn_once("idless", "moewatch: SGLang's top-k output %s carries no expert ids: layer %s and any "
+                                "like it are not counted (windows list them under source.layers_without_ids)",
+                                type(output).__name__, layer)
+            return None
+        if self.recorder is not None or layer is None or not 0 <= layer < self.cfg.num_layers:
+            return None  # the recorder counts; or a module outside the map (a drafter's layer)
         P = self.cfg.slots
         flat = ids.reshape(-1)
         index = torch.where((flat >= 0) & (flat < P), flat, P).long()
@@ -151,6 +183,19 @@ class TopKCounter:
         row.scatter_add_(0, index, torch.ones_like(index))
         row[P + 1:].add_(1)
         return None
+
+    def attach_recorder(self, recorder: Any, *, start_recording: bool = False) -> None:
+        """Count every pass SGLang's expert-distribution recorder accumulates (RecorderTap)."""
+        RecorderTap(recorder, self.on_pass)
+        self.recorder = recorder
+        if start_recording and not recorder.recording:
+            recorder.start_record()
+            log.info("moewatch: started SGLang's expert-distribution recorder to count through it")
+
+    def on_pass(self, global_physical_count: torch.Tensor) -> None:
+        """One forward pass's [L, P] physical counts, from the recorder (engine thread, model stream)."""
+        self.counts[:, :self.cfg.slots].add_(global_physical_count)
+        self._passes = next(self._pass_numbers)  # no lock: the flush may hold it while it copies
 
     # --- off the forward pass ------------------------------------------------------------------
     def _snapshot(self) -> np.ndarray:
@@ -176,70 +221,182 @@ class TopKCounter:
             return np.asarray(self.cfg.physical_to_logical_map, dtype=np.int64)
         return np.tile(np.arange(self.cfg.slots, dtype=np.int64) % self.cfg.num_experts, (self.cfg.num_layers, 1))
 
-    def flush(self) -> Window | None:
-        """The window since the previous flush, handed to the sinks; None when no pass happened."""
+    def flush(self, sequence: int | None = None) -> Window | None:
+        """The window since the previous flush, handed to the sinks; None when no pass happened (a
+        shard whose previous window had passes is still sent, empty, so the agent need not wait for
+        it). `sequence`: the wall-clock bucket it closes (default: the bucket of now)."""
+        self._follow_recorder()
         with self._lock:
-            now_counts, now = self._snapshot(), time.time()
+            now_counts, now, passes = self._snapshot(), time.time(), self._passes
             delta, start = now_counts - self._last, self._last_time
-            self._last, self._last_time = now_counts, now
+            steps_from_recorder = passes - self._last_passes
+            self._last, self._last_time, self._last_passes = now_counts, now, passes
         cfg, P = self.cfg, self.cfg.slots
-        steps = int(delta[:, P + 1].max())
-        if steps == 0:
+        steps = steps_from_recorder if self.recorder is not None else int(delta[:, P + 1].max())
+        if steps == 0 and not (self.shard is not None and self._active):
+            self._active = False
             return None
+        self._active = steps > 0
         slots = delta[:, :P]
         pmap = self.current_map()
         expert = np.zeros((cfg.num_layers, cfg.num_experts), dtype=np.int64)
         np.add.at(expert, (np.arange(cfg.num_layers)[:, None], pmap), slots)
+        extra: dict[str, Any] = {"source": self._source(delta), **sglang_eplb.window_extra()}
+        if self.shard is not None:
+            bucket = sglang_layout.window_sequence(now, cfg.window_seconds) if sequence is None else sequence
+            extra["shard"] = {**self.shard, "sequence": bucket}
         try:
             window = logical_window(
                 runtime=RUNTIME, model=cfg.model, ep_group=self.ep_group, top_k=min(cfg.top_k, cfg.num_experts),
                 hidden_bytes=cfg.hidden_bytes, expert_tokens=expert, steps=steps, start_time=start, end_time=now,
-                world_size=cfg.ep_size, slot_tokens=slots, physical_to_logical_map=pmap,
-                extra={"source": {"kind": "sglang-forward-hook", "ids_outside_slots": int(delta[:, P].sum())},
-                       **sglang_eplb.window_extra()})
+                world_size=cfg.ep_size, slot_tokens=slots, physical_to_logical_map=pmap, extra=extra)
+            if self.ranks_per_node != window.ranks_per_node:
+                window = window.replace(ranks_per_node=self.ranks_per_node)
         except WindowError as exc:  # never break serving over a window
             self.windows_invalid += 1
-            log.warning("moewatch: window not built: %s", exc)
+            self._warn_once(f"invalid:{getattr(exc, 'field', '')}", "moewatch: window not built: %s", exc)
             return None
         self.windows_built += 1
         for sink in self.sinks:
             try:
                 sink(window)
             except Exception as exc:  # a full disk must not stop the engine
-                log.warning("moewatch: sink failed: %s", exc)
+                self._warn_once(f"sink:{type(exc).__name__}", "moewatch: sink failed: %s", exc)
         return window
 
+    def _source(self, delta: np.ndarray) -> dict[str, Any]:
+        if self.recorder is None:
+            source: dict[str, Any] = {"kind": "sglang-forward-hook",
+                                      "ids_outside_slots": int(delta[:, self.cfg.slots].sum())}
+        else:
+            source = {"kind": "sglang-expert-distribution-recorder",
+                      "counts": "received" if self.counts_received else "routed"}
+        if self._idless_layers:
+            source["layers_without_ids"] = sorted(self._idless_layers, key=str)
+        return source
+
+    def _follow_recorder(self) -> None:
+        """SGLang builds a new recorder after an elastic-EP change: count through the new one."""
+        if self.recorder is None:
+            return
+        from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
+
+        current = get_global_expert_distribution_recorder()
+        if current is not self.recorder and hasattr(current, "_accumulator"):
+            log.info("moewatch: SGLang replaced its expert-distribution recorder; counting through the new one")
+            self.attach_recorder(current, start_recording=False)
+        if not self.recorder.recording:
+            self._warn_once("stopped", "moewatch: SGLang's expert-distribution recorder is not recording: windows "
+                            "pause until it records again")
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
     def _run(self) -> None:
-        while not self._stop.wait(self.cfg.window_seconds):
-            self.flush()
+        # Windows end at multiples of window_seconds of wall-clock time, the same instants on every
+        # rank, so each window's bucket is the shared sequence of the group's shards.
+        seconds = self.cfg.window_seconds
+        while True:
+            now = time.time()
+            boundary = (math.floor(now / seconds) + 1) * seconds
+            if self._stop.wait(max(boundary - now, 0.0)):
+                return
+            self.flush(sequence=round(boundary / seconds) - 1)
 
     def close(self) -> None:
+        global _process_counter
         if self._stop.is_set():
             return
         self._stop.set()
         self.flush()
         for close in self._closers:
             close()
+        if _process_counter is self:
+            _process_counter = None
 
     def hello(self) -> wire.Hello:
-        return _hello(self.cfg, self.ep_group)
+        return _hello(self.cfg, self.ep_group, self.ranks_per_node, self.shard)
 
 
-def _hello(cfg: HookConfig, ep_group: str) -> wire.Hello:
+class RecorderTap:
+    """Attaches to SGLang's expert-distribution recorder: after its accumulator's own `append` of a
+    forward pass (model_runner.forward ends every pass, replayed graphs included, with
+    `_on_forward_pass_end`, which hands the primary gatherer's [L, P] `global_physical_count` to
+    `append`), the same device tensor goes to `on_pass`. An error there is logged once and the tap
+    stays out of SGLang's way from then on."""
+
+    def __init__(self, recorder: Any, on_pass: Any):
+        from sglang.srt.eplb.expert_distribution import _SINGLE_PASS_GATHERER_KEY_PRIMARY as primary
+
+        accumulator = recorder._accumulator
+        original = getattr(accumulator, "_moewatch_original_append", accumulator.append)
+        state = {"broken": False}
+
+        def append(forward_pass_id, gatherer_key, single_pass_data, outputs):
+            result = original(forward_pass_id, gatherer_key, single_pass_data, outputs)
+            if gatherer_key == primary and not state["broken"]:
+                try:
+                    on_pass(single_pass_data["global_physical_count"])
+                except Exception as exc:  # never into SGLang's forward pass
+                    state["broken"] = True
+                    log.warning("moewatch: counting through SGLang's recorder failed, counting stops: %s", exc)
+            return result
+
+        accumulator._moewatch_original_append = original
+        accumulator.append = append
+
+
+def _hello(cfg: HookConfig, ep_group: str, ranks_per_node: int | None = None,
+           shard: Mapping | None = None) -> wire.Hello:
+    """The connection's hello; a shard's names which shard it is, so the agent keeps one connection each."""
+    sharding = {"shard_index": shard["index"], "shard_count": shard["count"]} if shard else {}
     return wire.Hello(runtime=RUNTIME, model=cfg.model, ep_group=ep_group, world_size=cfg.ep_size,
                       num_layers=cfg.num_layers, num_experts=cfg.num_experts, num_slots=cfg.slots,
-                      ranks_per_node=cfg.ep_size, pid=os.getpid())
+                      ranks_per_node=ranks_per_node or cfg.ep_size, pid=os.getpid(), **sharding)
+
+
+# One counter per process: SGLang calls the factory again for a speculative drafter's model runner,
+# whose passes the same recorder (and the same counter) already sees.
+_process_counter: TopKCounter | None = None
 
 
 def topk_counter(config: Mapping[str, Any] | None) -> TopKCounter | None:
     """The factory named in --forward-hooks. None (SGLang then registers nothing) when neither
-    MOEWATCH_SOCKET nor MOEWATCH_WINDOW_DIR is set, or on a rank that does not report."""
+    MOEWATCH_SOCKET nor MOEWATCH_WINDOW_DIR is set, on a rank that does not report, or when the
+    layout is refused (one warning naming SGLang's version and the reason)."""
+    global _process_counter
     cfg = HookConfig.from_mapping(config or {})
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if not cfg.per_rank and rank % cfg.ep_size != 0:
+    if _process_counter is not None and _process_counter.cfg == cfg:
+        return _process_counter
+    try:
+        layout = sglang_layout.read_layout()
+        from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
+
+        recorder = get_global_expert_distribution_recorder() if layout.recorder_mode is not None else None
+        meta = getattr(recorder, "_expert_location_metadata", None)
+        decision = sglang_layout.decide(
+            layout, num_layers=cfg.num_layers, num_slots=cfg.slots, ep_size=cfg.ep_size,
+            recorder_layers=getattr(meta, "num_layers", None), recorder_slots=getattr(meta, "num_physical_experts", None))
+    except Exception as exc:  # an SGLang this hook does not know: serve on, unobserved
+        log.warning("moewatch: observation off: SGLang's layout could not be read (%s: %s)", type(exc).__name__, exc)
         return None
-    ep_group = f"{cfg.ep_group}-rank{rank}" if cfg.per_rank else cfg.ep_group
-    sinks, closers = env_sinks(lambda: _hello(cfg, ep_group))
+    if decision.refusal is not None:
+        log.warning("moewatch: observation off on SGLang %s: %s", layout.version, decision.refusal)
+        return None
+    if cfg.per_rank:
+        log.warning("moewatch: config.per_rank is no longer used: ranks that route a share of the group's tokens "
+                    "send shards of one window")
+    if not decision.reports:
+        return None
+    rank = layout.moe_ep_rank if decision.shard is not None else max(layout.tp_rank, 0)
+    sinks, closers = env_sinks(lambda: _hello(cfg, cfg.ep_group, decision.ranks_per_node, decision.shard))
     if not sinks:
         return None
-    return TopKCounter(cfg, sinks, rank=rank, closers=tuple(closers))
+    counter = TopKCounter(cfg, sinks, rank=rank, closers=tuple(closers), shard=decision.shard,
+                          ranks_per_node=decision.ranks_per_node, counts_received=decision.counts_received)
+    if decision.use_recorder:
+        counter.attach_recorder(recorder, start_recording=decision.start_recording)
+    _process_counter = counter
+    return counter

@@ -1,6 +1,8 @@
 """The --forward-hooks factory on a module returning SGLang's own top-k output type, registered by
 SGLang's own hook manager (python/sglang/srt/model_executor/hook_manager.py), counted against an
-independent recount of the ids."""
+independent recount of the ids. The forward-hook path: SGLang's configuration is published with CUDA
+graphs off (with them, or two-batch overlap, the hook counts through SGLang's recorder instead:
+tests/runtime/engines/test_sglang_counting.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,20 @@ from moewatch.telemetry import Window, rank_load
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt import runtime_context
+    from sglang.srt.layers.moe.topk import BypassedTopKOutput, StandardTopKOutput
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
 
 L, E, P, K, W = 3, 8, 10, 2, 2
 PMAP = [[e % E for e in range(P)], [e % E for e in range(P)], [(e + 3) % E for e in range(P)]]
+
+
+@pytest.fixture(autouse=True)
+def eager_sglang():
+    """SGLang's published configuration of an eager server (no CUDA graphs, no recorder), TP rank 0."""
+    with runtime_context._CONTEXT.override_server_args(disable_cuda_graph=True, tp_size=W, ep_size=W):
+        with runtime_context.get_parallel().override(tp_rank=0, moe_ep_rank=0):
+            yield
 
 
 class Gate(torch.nn.Module):
@@ -167,3 +178,20 @@ def test_windows_carry_the_eplb_hooks_decisions_since_the_last_window(tmp_path, 
     made[0].close()
     assert first.extra["engine_rebalance"] == [{"engine": "sglang", "layers_moved": 3}]
     assert "engine_rebalance" not in second.extra
+
+
+def test_a_top_k_output_without_ids_is_warned_once_and_its_layers_named_in_the_window(tmp_path, monkeypatch, caplog):
+    """SGLang's BypassedTopKOutput (FlashInfer's in-kernel routing) met through a module call."""
+    caplog.set_level("WARNING", "moewatch.runtime.engines.sglang")
+    cfg = sglang_hooks.HookConfig.from_mapping({"num_layers": 2, "num_experts": 4, "window_seconds": 3600})
+    counter = sglang_hooks.TopKCounter(cfg, [], start_thread=False)
+    counted, bypassed = Gate(0, [torch.tensor([[0, 1]])] * 3), torch.nn.Module()
+    bypassed.layer_id = 1
+    counted.register_forward_hook(counter)
+    for _ in range(3):
+        counted(torch.zeros(1, 4))
+        counter(bypassed, (), BypassedTopKOutput(torch.zeros(1, 4), torch.zeros(1, 4), None))
+    window = counter.flush()
+    warned = [r.getMessage() for r in caplog.records if "carries no expert ids" in r.getMessage()]
+    assert len(warned) == 1 and "BypassedTopKOutput" in warned[0], warned
+    assert window.extra["source"]["layers_without_ids"] == [1] and window.slot_tokens[0].tolist() == [3, 3, 0, 0]

@@ -146,11 +146,16 @@ def test_hook_windows_reach_the_agent_over_its_socket(agent_dir, monkeypatch):
     import torch
     from moewatch.runtime.engines.sglang_hooks import topk_counter
 
+    from sglang.srt import runtime_context
+
     daemon = Daemon(AgentConfig.from_mapping(agent_base(agent_dir, 0.2))).start()
     monkeypatch.setenv("MOEWATCH_SOCKET", str(agent_dir / "a.sock"))
     monkeypatch.delenv("MOEWATCH_WINDOW_DIR", raising=False)
-    counter = topk_counter({"num_layers": 2, "num_experts": 4, "num_slots": 6, "ep_size": 2, "model": "tiny",
-                            "window_seconds": 3600, "physical_to_logical_map": PMAP.tolist()})
+    # SGLang's published configuration of an eager server (no CUDA graphs: the forward-hook path), TP rank 0.
+    with runtime_context._CONTEXT.override_server_args(disable_cuda_graph=True, tp_size=2, ep_size=2), \
+            runtime_context.get_parallel().override(tp_rank=0, moe_ep_rank=0):
+        counter = topk_counter({"num_layers": 2, "num_experts": 4, "num_slots": 6, "ep_size": 2, "model": "tiny",
+                                "window_seconds": 3600, "physical_to_logical_map": PMAP.tolist()})
     try:
         gate = torch.nn.Module()
         for layer in (0, 1):
