@@ -70,7 +70,8 @@ def transformers_histogram(model_dir: Path, sequences: list[list[int]]) -> np.nd
 
 
 def run_vllm(tiny_model, out: Path, *, compiled: bool, multiprocessing: bool, tp: int = 1,
-             socket: str | None = None, vllm_capture: bool = False) -> tuple[list[Window], list[Path], dict]:
+             socket: str | None = None, vllm_capture: bool = False,
+             slow_sample: float = 0.0) -> tuple[list[Window], list[Path], dict]:
     """Serve the prompts once (3 tokens each); returns (windows, their files, the driver's result:
     "generated" holds the tokens each prompt generated; see vllm_driver.py for the rest)."""
     assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment"
@@ -86,6 +87,7 @@ def run_vllm(tiny_model, out: Path, *, compiled: bool, multiprocessing: bool, tp
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     args = [str(VLLM_PYTHON), str(DRIVER), str(model_dir), str(prompts_path), str(out / "out.json"), "--tp", str(tp)]
     args += (["--compiled"] if compiled else []) + (["--vllm-capture"] if vllm_capture else [])
+    args += ["--slow-sample", str(slow_sample)] if slow_sample else []
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
     files = sorted(windows_dir.glob("*"))
@@ -176,8 +178,15 @@ def check_missing_evidence_marked(text: str, model: str) -> None:
 
 @pytest.mark.slow
 def test_compiled_in_process_counts_equal_transformers_beside_vllms_own_capture(tiny_model, tmp_path):
-    windows, _, result = run_vllm(tiny_model, tmp_path, compiled=True, multiprocessing=False, vllm_capture=True)
+    windows, _, result = run_vllm(tiny_model, tmp_path, compiled=True, multiprocessing=False, vllm_capture=True,
+                                  slow_sample=SLOW_SAMPLE)
     check_counts(windows, tiny_model, result["generated"])
+    # A step is the engine's whole step: execute_model and then sample_tokens (vLLM's
+    # GPUModelRunner.execute_model, then sample_tokens -> _sample, which the driver slows by
+    # SLOW_SAMPLE). Every step's time covers the sampler, so none is shorter than that.
+    for w in windows:
+        assert w.step_seconds is not None and len(w.step_seconds) == w.steps
+        assert (w.step_seconds >= SLOW_SAMPLE).all(), w.step_seconds
     # Compiled: no per-layer timing without a sync, so it is absent rather than guessed.
     assert all(w.layer_seconds is None for w in windows)
 
@@ -203,6 +212,9 @@ def test_compiled_in_process_counts_equal_transformers_beside_vllms_own_capture(
     # enable_return_routed_experts needs Model Runner V2 (not runnable on this CPU build): its steps
     # are observed too, besides V1's, which counted the steps above.
     assert result["observed_runners"] == {"v1": True, "v2": True}
+
+
+SLOW_SAMPLE = 0.3  # seconds vLLM's sampler is slowed by in the compiled run (far above a tiny model's step)
 
 
 class OneSlotRouter:
@@ -289,6 +301,9 @@ class StepLog:
     def begin_step(self, tokens: int) -> None:
         self.steps.append(("begin", tokens))
 
+    def end_forward(self) -> None:
+        self.steps.append(("end_forward",))
+
     def end_step(self) -> None:
         self.steps.append(("end",))
 
@@ -342,3 +357,99 @@ def test_bench_vllm_runs_two_rounds_on_a_tiny_model_and_reports_finite_positive_
     assert out["tokens_per_round"] == 4 * (8 + 4)
     assert out["windows_written"] >= 1
 
+
+
+class Runner:
+    """vLLM 0.32's model runner as the step wrapper sees it: execute_model leaves `execute_model_state`
+    for sample_tokens and returns None (GPUModelRunner.execute_model / sample_tokens, V1 and V2)."""
+
+    def __init__(self):
+        self.execute_model_state = None
+
+
+def test_a_step_ends_when_sample_tokens_returns_and_counts_pairs_only_during_the_forward(monkeypatch):
+    from types import SimpleNamespace
+
+    from moewatch.runtime.engines import vllm_plugin
+
+    log = StepLog()
+    monkeypatch.setitem(vllm_plugin._state, "recorder", log)
+    monkeypatch.setitem(vllm_plugin._state, "off", None)
+
+    def forward(self, out, *args, **kwargs):
+        log.steps.append(("forward", out.total_num_scheduled_tokens))
+        self.execute_model_state = "logits"
+        return None
+
+    def sample(self, grammar_output):
+        log.steps.append(("sample",))  # the sampler, the MTP drafter, the EPLB step
+        self.execute_model_state = None
+        return "sampled"
+
+    execute_model = vllm_plugin._counting_steps(forward, dummy_runs=False)
+    sample_tokens = vllm_plugin._ending_steps(sample)
+    runner = Runner()
+    assert execute_model(runner, SimpleNamespace(total_num_scheduled_tokens=5)) is None
+    assert sample_tokens(runner, None) == "sampled"
+    # pairs counted while the forward is launched; the step's time runs to the end of sample_tokens
+    assert log.steps == [("begin", 5), ("forward", 5), ("end_forward",), ("sample",), ("end",)]
+
+    log.steps.clear()  # an execute_model that answers by itself (no sampling follows): the step ends there
+    direct = vllm_plugin._counting_steps(lambda self, out: "output", dummy_runs=False)
+    assert direct(Runner(), SimpleNamespace(total_num_scheduled_tokens=2)) == "output"
+    sample_tokens(runner, None)
+    assert log.steps == [("begin", 2), ("end",), ("sample",)]  # the later sample_tokens ends nothing
+
+    log.steps.clear()  # a step whose sample_tokens never came: ended by the next execute_model
+    execute_model(runner, SimpleNamespace(total_num_scheduled_tokens=3))
+    runner.execute_model_state = None
+    execute_model(runner, SimpleNamespace(total_num_scheduled_tokens=4))
+    assert log.steps[:4] == [("begin", 3), ("forward", 3), ("end_forward",), ("end",)]
+    vllm_plugin._end_open_step()
+
+
+def test_a_failing_recorder_turns_observation_off_once_and_the_engine_keeps_serving(monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from moewatch.runtime.engines import vllm_plugin
+
+    class Failing:
+        def begin_step(self, tokens):
+            raise RuntimeError("no room for the counters")
+
+    monkeypatch.setitem(vllm_plugin._state, "recorder", Failing())
+    monkeypatch.setitem(vllm_plugin._state, "off", None)
+    served = []
+    execute_model = vllm_plugin._counting_steps(lambda self, out: served.append(out) or "output", dummy_runs=False)
+    with caplog.at_level(logging.WARNING, logger="moewatch.vllm"):
+        for n in (3, 4):
+            assert execute_model(Runner(), SimpleNamespace(total_num_scheduled_tokens=n)) == "output"
+    assert len(served) == 2
+    warnings = [r.message for r in caplog.records if "observation is off" in r.message]
+    assert len(warnings) == 1 and "no room for the counters" in warnings[0]
+    assert "begin_step" in vllm_plugin._state["off"]
+
+
+@pytest.mark.slow
+def test_a_vllm_without_a_hook_serves_unobserved_with_one_warning_naming_its_version(tmp_path):
+    assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment"
+    # vLLM's own plugin loader runs register(); this vLLM is made to lack sample_tokens on its runner.
+    probe = """
+import vllm
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+del GPUModelRunner.sample_tokens
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+load_general_plugins()
+from moewatch.runtime.engines import vllm_plugin
+print(vllm.__version__, bool(vllm_plugin._state.get("off")))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEWATCH_")}
+    env["MOEWATCH_WINDOW_DIR"] = str(tmp_path / "windows")
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", probe], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    version, off = proc.stdout.split()[-2:]
+    assert off == "True"
+    lines = [line for line in proc.stderr.splitlines() if "observation is off" in line]
+    assert len(lines) == 1 and f"vLLM {version}" in lines[0] and "sample_tokens" in lines[0], proc.stderr[-2000:]

@@ -10,8 +10,12 @@ for the step's tokens are read with the capturer's own snapshot and counted into
 step, written in step order as "vllm_capture_steps". An in-process engine also writes vLLM's
 compilation counter and, for each module vLLM's compile decorator wraps, whether it was compiled.
 
+With --slow-sample SECONDS (in-process engine only), vLLM's sampler (the runner's `_sample`, which
+sample_tokens calls after execute_model) takes that much longer, so a step time that leaves
+sample_tokens out is visibly short.
+
 usage: vllm_driver.py MODEL_DIR PROMPTS_JSON OUT_JSON [--compiled] [--tp N] [--max-tokens K] [--rounds R]
-                      [--vllm-capture]
+                      [--vllm-capture] [--slow-sample SECONDS]
 """
 
 from __future__ import annotations
@@ -60,6 +64,18 @@ def bind_vllm_capture_after_load(steps: list) -> None:
     CPUWorker.load_model = load_and_bind
 
 
+def slow_sampler(seconds: float) -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    sample = GPUModelRunner._sample
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return sample(self, *args, **kwargs)
+
+    GPUModelRunner._sample = slow
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -70,6 +86,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--vllm-capture", action="store_true")
+    parser.add_argument("--slow-sample", type=float, default=0.0)
     args = parser.parse_args()
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     if args.vllm_capture and not (in_process and args.tp == 1):
@@ -78,6 +95,10 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if args.slow_sample and not in_process:
+        parser.error("--slow-sample needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    if args.slow_sample:
+        slow_sampler(args.slow_sample)
     captured_steps: list = []
     if args.vllm_capture:
         bind_vllm_capture_after_load(captured_steps)
