@@ -214,8 +214,21 @@ def test_every_skipped_decision_carries_numbers(helpers):
                    for d in proposal.decisions)
 
 
+def test_the_readme_and_the_vllm_reason_say_moewatchs_policy_runs_inside_vllms_eplb():
+    # "vLLM takes no placement from outside" stopped being true with the EPLB policy: the agent sends
+    # no plan, but the placements vLLM's EPLB moves to are moewatch's when the switch is on.
+    from pathlib import Path
+
+    from moewatch.planner.rebalance import SWITCH
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## vLLM and transformers", 1)[1].split("\n## ", 1)[0]
+    assert SWITCH in section and "no placement from outside" not in section
+    assert SWITCH in registry.get("vllm").observe_only.observe_only_reason
+
+
 def test_a_vllm_source_gets_recommendations_never_a_plan(helpers):
-    # vLLM takes no placement from outside: even in act mode the agent only says what it would change.
+    # vLLM takes no plan from the agent: even in act mode the agent only says what it would change.
     windows = [TriagedWindow(t.window.replace(runtime="vllm"), t.diagnosis, t.received_at)
                for t in triaged(helpers, helpers.hot_load(L, E), helpers.contiguous(L, E, P), 3)]
     vllm = registry.properties_for("vllm", RuntimeActuator(lambda key: None))
@@ -224,7 +237,7 @@ def test_a_vllm_source_gets_recommendations_never_a_plan(helpers):
     assert not proposal.has_plan
     assert {d.result for d in proposal.decisions} == {"recommended"}
     assert {d.kind for d in proposal.decisions} == {"replicate"}
-    assert all("vLLM takes no placement from outside" in d.reason for d in proposal.decisions)
+    assert all("vLLM takes no plan from the agent" in d.reason for d in proposal.decisions)
     assert policy.decide(view(windows, actuator=vllm), cfg(policy={"mode": "observe"}).policy, 0.0).decisions == []
 
 

@@ -1,6 +1,7 @@
 """What the agent knows of vLLM: its windows come from the in-process plugin
-(runtime/engines/vllm_plugin.py) over the wire or as files, and vLLM takes no placement from outside,
-so the agent observes and recommends only. No source to poll, no actuator, no settings."""
+(runtime/engines/vllm_plugin.py) over the wire or as files. vLLM takes no plan from the agent: it moves
+experts with its own EPLB, whose placements are moewatch's policy's when MOEWATCH_EPLB=1 (decided
+inside vLLM, runtime/engines/vllm_eplb.py), so the agent observes and recommends only. No source to poll, no actuator, no settings."""
 
 from __future__ import annotations
 
@@ -14,4 +15,5 @@ INTEGRATION = Integration(
     name="vllm", runtimes=frozenset({RUNTIME}),
     observe_only=dataclasses.replace(
         OBSERVE_ONLY,
-        observe_only_reason="vLLM takes no placement from outside: moewatch observes and recommends only"))
+        observe_only_reason="vLLM takes no plan from the agent (it moves experts with its own EPLB, with "
+                            "moewatch's policy inside when MOEWATCH_EPLB=1): moewatch observes and recommends only"))
