@@ -44,6 +44,7 @@ from .metrics.groups import (GROUPS_EVICTED_TOTAL, GROUPS_RETIRED_TOTAL, RUNTIME
 from .metrics.identity import init_static
 from .metrics.jobs import JOB_ERRORS_TOTAL, JOB_MISFIRES_TOTAL, init_jobs
 from .metrics.state import MetricsState
+from .metrics.slo import record_annotations
 from .metrics.windows import EPOCH, record_window
 from .health import Check, Health, HttpSecurity, SystemdNotifier, WebServer, health_body
 from .jobs import Jobs
@@ -207,7 +208,8 @@ class Daemon:
         self.sources = registry.build_sources(cfg)
         for source in self.sources.values():
             ingest = functools.partial(self.ingest_window, capabilities=source.capabilities)
-            self.jobs.add(source.job_name, functools.partial(source.poll, ingest), source.poll_seconds, first_run_in=0)
+            self.jobs.add(source.job_name, functools.partial(self._poll_source, source, ingest), source.poll_seconds,
+                          first_run_in=0)
         if self.notifier.watchdog_seconds:
             self.jobs.add("watchdog", self.watchdog_job, self.notifier.watchdog_seconds / 2, first_run_in=0)
         init_jobs(self.metrics, [job.id for job in self.jobs.scheduler.get_jobs()])
@@ -531,6 +533,16 @@ class Daemon:
             log.warning("engine rebalance made layers %s of %s/%s worse (measured balancedness %s -> %s)",
                         verdict["layers_worse"], *group.key, verdict["balancedness_before"],
                         verdict["balancedness_after"])
+
+    def _poll_source(self, source: Source, ingest: Callable[[Window], str | None]) -> None:
+        """One poll of a source; then what it knows of each group beside the windows (an engine's SLO
+        interval) goes to /metrics at once, not with the group's next window: an engine that went idle
+        sends none, and its last requests' latencies would never show."""
+        source.poll(ingest)
+        annotations = getattr(source, "annotations", None)
+        if annotations is not None:
+            for key, extra in annotations().items():
+                record_annotations(self.metrics, key, extra)
 
     def _annotated(self, window):
         """The window with what sources know of its group beside it (an engine's SLO signals): each

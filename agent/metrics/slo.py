@@ -1,10 +1,14 @@
-"""Families of the engine's own SLO signals over the latest scrape interval (the `slo:` section), from a
-window's diagnosis (its `slo` summary): latency percentiles, requests, targets, breaches and whether
-the MoE evidence explains a breach."""
+"""Families of the engine's own SLO signals over the latest scrape interval (the `slo:` section):
+latency percentiles, requests, targets and breaches, as soon as the SLO source has the interval
+(`record_annotations`) and again from each window's diagnosis (its `slo` summary, `record_slo`),
+which adds whether the MoE evidence explains a breach."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from moewatch.slo import SLO_KEY
+from moewatch.slo import section as slo_section
 
 from .family import GROUP, Gauge, families_of
 
@@ -38,9 +42,31 @@ SLOS = ("ttft_p99", "tpot_p99")
 
 def record_slo(state: MetricsState, group: tuple[str, str], slo: dict | None) -> None:
     """The engine's SLO signals of the window's interval (the diagnosis' `slo` section), replacing the
-    previous window's; nothing when the window carries none."""
+    previous window's, with whether the window's MoE evidence explains a breach; nothing when the
+    window carries none."""
     if slo is None:
         return
+    _record_interval(state, group, slo)
+    moe = slo["moe"] or {}
+    explains = moe.get("explains")
+    for family, value in ((MOE_EXPLAINED, None if explains is None else float(explains)),
+                          (MOE_SHARE, moe.get("share_of_itl"))):
+        if value is None:
+            state[family].remove(group)
+        else:
+            state[family].set(group, value)
+
+
+def record_annotations(state: MetricsState, group: tuple[str, str], extra: dict[str, Any]) -> None:
+    """What a source stamps on the group's windows (`extra`), exported as soon as the source has it:
+    the SLO interval's percentiles, requests, targets and breaches (the MoE attribution needs a
+    window's layers, so it waits for one). Nothing for entries that are not SLO signals."""
+    section = slo_section(extra.get(SLO_KEY), ())
+    if section is not None:
+        _record_interval(state, group, section)
+
+
+def _record_interval(state: MetricsState, group: tuple[str, str], slo: dict) -> None:
     for family in (LATENCY, REQUESTS, TARGET, BREACHED, BREACHED_SECONDS):
         state[family].remove_many([k for k, _ in state.series(family) if k[:2] == group])
     state[LATENCY].set_many([((*group, signal, q), value) for signal, qs in slo["quantiles"].items()
@@ -53,11 +79,3 @@ def record_slo(state: MetricsState, group: tuple[str, str], slo: dict | None) ->
     state[BREACHED].set_many([((*group, name), 1.0 if name in breached else 0.0) for name in SLOS])
     state[BREACHED_SECONDS].set_many([((*group, name), b["breached_for_seconds"]) for name, b in breached.items()
                                       if b["breached_for_seconds"] is not None])
-    moe = slo["moe"] or {}
-    explains = moe.get("explains")
-    for family, value in ((MOE_EXPLAINED, None if explains is None else float(explains)),
-                          (MOE_SHARE, moe.get("share_of_itl"))):
-        if value is None:
-            state[family].remove(group)
-        else:
-            state[family].set(group, value)

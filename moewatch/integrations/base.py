@@ -77,7 +77,12 @@ class Source(Protocol):
     `poll(ingest)` hands each new window to `ingest` (which returns the rejection reason, None when
     accepted). `capabilities` are what the groups it feeds can take through the agent's actuator (in
     Hello.capabilities' words: a polled group has no hello of its own). `status()` goes on /status
-    under the integration's name."""
+    under the integration's name.
+
+    Optional, for a source that knows something of groups beside their windows (an engine's SLO
+    signals): `annotate(window)` returns the window with that added to its `extra` before its triage,
+    and `annotations()` returns {group key: those `extra` entries now}, which the agent exports to
+    /metrics after each poll without waiting for the group's next window."""
 
     job_name: str
     poll_seconds: float

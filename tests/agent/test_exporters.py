@@ -123,6 +123,28 @@ def test_live_metrics_match_the_catalogue_and_pass_promtool(start_agent, helpers
     assert helpers.sample_value(text, "moewatch_slo_target_seconds", model="example", slo="ttft_p99") == 0.2
 
 
+def test_slo_interval_reaches_metrics_without_a_window(start_agent, helpers, engine_metrics_url):
+    """An engine that went idle sends no window: its last interval's latencies show all the same, at
+    the next scrape of its /metrics (the breach too; the MoE attribution waits for a window)."""
+    daemon = start_with_slo(start_agent, helpers, engine_metrics_url)
+    group = {"model": "example", "ep_group": "example"}
+
+    def ttft_p99():
+        return helpers.sample_value(helpers.scrape(daemon.http_url), "moewatch_slo_latency_seconds", **group,
+                                    signal="ttft", percentile="p99")
+
+    assert helpers.wait_for(lambda: ttft_p99() is not None)
+    text = helpers.scrape(daemon.http_url)
+    assert daemon.store.get(("example", "example")) is None  # no window came
+    assert helpers.sample_value(text, "moewatch_slo_latency_seconds", **group, signal="ttft",
+                                percentile="p99") == pytest.approx(0.1 + 0.4 * 0.99)
+    assert helpers.sample_value(text, "moewatch_slo_latency_seconds", **group, signal="itl",
+                                percentile="p50") == pytest.approx(0.01 + 0.09 * 0.5)
+    assert helpers.sample_value(text, "moewatch_slo_requests", **group, state="running") == 3
+    assert helpers.sample_value(text, "moewatch_slo_breached", **group, slo="ttft_p99") == 1
+    assert helpers.sample_value(text, "moewatch_slo_moe_explained", **group) is None
+
+
 def test_expert_metrics_off_by_default(start_agent, helpers):
     daemon = start_agent()
     drive(daemon, helpers, 1)

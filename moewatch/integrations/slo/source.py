@@ -1,6 +1,7 @@
-"""The agent's poll of the engines' /metrics for their SLO signals: one scraper per EP group; each
-window of that group is stamped with the latest interval's signals (`annotate`) before its triage,
-so the diagnosis carries its SLO section and the window keeps its evidence when recorded."""
+"""The agent's poll of the engines' /metrics for their SLO signals: one scraper per EP group. The latest
+interval goes to the agent's /metrics after each poll (`annotations`), and each window of that group
+is stamped with it (`annotate`) before its triage, so the diagnosis carries its SLO section and the
+window keeps its evidence when recorded."""
 
 from __future__ import annotations
 
@@ -62,6 +63,13 @@ class SloSource:
     def latest(self, key: GroupKey) -> dict[str, Any] | None:
         with self._lock:
             return self._latest.get(key)
+
+    def annotations(self) -> dict[GroupKey, dict[str, Any]]:
+        """{group: what its windows are stamped with now}: `extra.slo`, the latest interval, for each
+        group that has one. The agent exports these to /metrics after every poll, so an interval shows
+        without waiting for the group's next window (an engine that has gone idle sends none)."""
+        with self._lock:
+            return {key: {SLO_KEY: latest} for key, latest in self._latest.items()}
 
     def annotate(self, window: Window) -> Window:
         """The window with its group's latest SLO interval under `extra.slo` (unchanged without one)."""
