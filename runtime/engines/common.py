@@ -117,17 +117,21 @@ class PairCounter:
         self.slot_counts = self._slot_bins[:num_slots] if num_slots else None
         self.slot_discarded = self._slot_bins[num_slots:] if num_slots else None
 
-    def add(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+    def add(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
+            pair_weights: torch.Tensor | None = None) -> None:
         """Count the router's choice [N, c]. Ids outside [0, E) (padding rows masked to -1) go to
         `discarded`; so do columns past top_k, which a router appends after its choice (fused shared
         experts, ids E..E+s) and, given `topk_weights`, pairs of weight exactly 0 (a zero-expert
-        router hands its zero experts on as expert 0 with weight 0)."""
-        self._tally(self._expert_bins, topk_ids, topk_weights)
+        router hands its zero experts on as expert 0 with weight 0). `pair_weights` [N * top_k]:
+        the rows' weights when they are not the buffer's head (an adapter that counts some rows of a
+        gathered batch, or a micro-batch's real rows)."""
+        self._tally(self._expert_bins, topk_ids, topk_weights, pair_weights)
 
-    def add_slots(self, physical_ids: torch.Tensor) -> None:
-        self._tally(self._slot_bins, physical_ids, None)
+    def add_slots(self, physical_ids: torch.Tensor, *, pair_weights: torch.Tensor | None = None) -> None:
+        self._tally(self._slot_bins, physical_ids, None, pair_weights)
 
-    def _tally(self, bins: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor | None) -> None:
+    def _tally(self, bins: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor | None,
+               pair_weights: torch.Tensor | None = None) -> None:
         # In-place on preallocated scratch: the ids are copied (never changed: the engine uses them),
         # clamped to [-1, outside] and taken mod outside + 1, which sends -1 and >= outside to the
         # outside bin and keeps [0, outside) as is. No host sync, no allocation.
@@ -143,11 +147,12 @@ class PairCounter:
             zero = self._zero_weight[:n].view(ids.shape)
             torch.eq(topk_weights[..., :ids.shape[-1]], 0, out=zero)
             index.masked_fill_(zero, outside)
-        bins.index_add_(0, index.view(-1), self.weights[:n])
+        weights = self.weights if pair_weights is None else pair_weights
+        bins.index_add_(0, index.view(-1), weights[:n])
         if extra:  # each real token's appended columns: `extra` pairs outside, per token's weight
             tokens = ids.shape[0]
             rest = self._scratch[n:n + tokens].fill_(outside)
-            bins.index_add_(0, rest, self.weights.view(-1, self.top_k)[:tokens, 0], alpha=extra)
+            bins.index_add_(0, rest, weights.view(-1, self.top_k)[:tokens, 0], alpha=extra)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The device tensors a flush reads, by the window field they feed. Cumulative since the
@@ -188,11 +193,12 @@ def logical_window(*, runtime: str, model: str, ep_group: str, top_k: int, hidde
                    world_size: int = 1, slot_tokens: np.ndarray | None = None,
                    physical_to_logical_map: np.ndarray | None = None, layer_seconds: np.ndarray | None = None,
                    step_seconds: Sequence[float] | None = None, step_tokens: Sequence[int] | None = None,
-                   extra: Mapping | None = None) -> Window:
+                   extra: Mapping | None = None, ranks_per_node: int | None = None) -> Window:
     """A Window from what an engine adapter measured. expert_tokens [L, E] always; slot_tokens [L, P]
     with the map [L, P] in force when the engine has redundant slots (else P = E, identity map, and
     rank-level counts are absent); layer_seconds [L, W] only when timed without a sync; per-step
-    data only when measured. Engines here drop no pairs and have no capacity factor: zeros."""
+    data only when measured. Engines here drop no pairs and have no capacity factor: zeros.
+    ranks_per_node: from the engine's config (None: the whole group on one node)."""
     counts = np.asarray(expert_tokens, dtype=np.int64)
     L, E = counts.shape
     if physical_to_logical_map is None:
@@ -201,7 +207,7 @@ def logical_window(*, runtime: str, model: str, ep_group: str, top_k: int, hidde
         pmap = np.asarray(physical_to_logical_map, dtype=np.int64)
     P = pmap.shape[1]
     fields = dict(
-        runtime=runtime, model=model, ep_group=ep_group, world_size=world_size, ranks_per_node=world_size,
+        runtime=runtime, model=model, ep_group=ep_group, world_size=world_size, ranks_per_node=ranks_per_node or world_size,
         num_layers=L, num_experts=E, num_slots=P, top_k=top_k, epoch=0, steps=steps,
         start_time=start_time, end_time=max(end_time, start_time), hidden_bytes=hidden_bytes,
         physical_to_logical_map=pmap, expert_tokens=counts, slot_tokens=slot_tokens,
@@ -264,11 +270,15 @@ class WindowSinks:
 
 
 def hello_for(window_like: Mapping, runtime: str) -> wire.Hello:
-    """The Hello of an engine that takes no plans (no capabilities)."""
+    """The Hello of an engine that takes no plans (no capabilities); a process that sends shards
+    (window_like["shard"]) says which shard of how many it sends."""
+    shard = window_like.get("shard") or {}
     return wire.Hello(runtime=runtime, model=window_like["model"], ep_group=window_like["ep_group"],
                       world_size=window_like["world_size"], num_layers=window_like["num_layers"],
                       num_experts=window_like["num_experts"], num_slots=window_like["num_slots"],
-                      ranks_per_node=window_like["world_size"], pid=os.getpid(), capabilities=())
+                      ranks_per_node=window_like.get("ranks_per_node") or window_like["world_size"],
+                      shard_index=shard.get("index", 0), shard_count=shard.get("count", 1),
+                      pid=os.getpid(), capabilities=())
 
 
 class EngineRecorder:
@@ -309,6 +319,7 @@ class EngineRecorder:
         self._skip = 0  # device step times still to come for windows already sent without them
         self.runtime, self.model, self.top_k, self.hidden_bytes = runtime, model, top_k, hidden_bytes
         self.num_experts, self.world_size = num_experts, world_size
+        self.ranks_per_node: int | None = None  # from the engine's config (None: the whole group on one node)
         self.weights = weights
         self.time_steps = time_steps
         self.counters: dict[int, PairCounter] = {}
@@ -426,7 +437,7 @@ class EngineRecorder:
             runtime=self.runtime, model=self.model, ep_group=self.settings.ep_group, top_k=self.top_k,
             hidden_bytes=self.hidden_bytes, steps=self.steps,
             start_time=self._start_unix, end_time=time.time(), world_size=self.world_size,
-            physical_to_logical_map=pmap, layer_seconds=layer_seconds,
+            ranks_per_node=self.ranks_per_node, physical_to_logical_map=pmap, layer_seconds=layer_seconds,
             step_seconds=self._step_seconds if self.time_steps else None, step_tokens=self._step_tokens,
             extra={"layer_ids": ids, **self._pending_extra()})
         try:
@@ -519,7 +530,9 @@ class EngineRecorder:
                 self.sinks.start()
             return None
         self._identity = {name: getattr(window, name) for name in
-                          ("model", "ep_group", "world_size", "num_layers", "num_experts", "num_slots")}
+                          ("model", "ep_group", "world_size", "num_layers", "num_experts", "num_slots",
+                           "ranks_per_node")}
+        self._identity["shard"] = window.extra.get("shard")
         self.windows_built += 1
         for sink in ([self.sinks] if self.sinks is not None else []) + self.extra_sinks:
             try:

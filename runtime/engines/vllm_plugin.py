@@ -38,6 +38,8 @@ import logging
 import os
 import time
 
+from . import vllm_layout
+
 RUNTIME_NAME = "vllm"
 logger = logging.getLogger("moewatch.vllm")
 
@@ -59,6 +61,7 @@ def register() -> None:
         _wrap_runner_constructor()
         _wrap_execute_model()
         _wrap_shutdown()
+        _wrap_lockstep_and_warm_up()
     except (ImportError, AttributeError) as exc:  # another vLLM layout: serve unobserved, say why
         observation_off(f"this vLLM does not have the hooks the plugin binds to ({type(exc).__name__}: {exc})")
         return
@@ -94,13 +97,25 @@ def close() -> None:
 
 # --- binding at construction -------------------------------------------------------------------------
 
-def _reporting_rank() -> bool:
+def _reporting_rank(moe_config) -> bool:
+    """TP rank 0 (of pipeline stage 0), where every TP rank routes every token; every TP rank where
+    vLLM chunks the tokens across TP before the MoE layer (sequence-parallel MoE: each routes its chunk)."""
+    from vllm.distributed import parallel_state as ps
+
+    sequence_parallel = moe_config.moe_parallel_config.sp_size > 1
+    try:
+        return (sequence_parallel or ps.get_tensor_model_parallel_rank() == 0) and ps.get_pp_group().rank_in_group == 0
+    except AssertionError:  # parallel state not set up: a single process
+        return True
+
+
+def _tp_rank() -> int:
     from vllm.distributed import parallel_state as ps
 
     try:
-        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pp_group().rank_in_group == 0
+        return ps.get_tensor_model_parallel_rank()
     except AssertionError:  # parallel state not set up: a single process
-        return True
+        return 0
 
 
 def _recorder_for(moe_config):
@@ -123,24 +138,68 @@ def _recorder_for(moe_config):
     max_tokens = vcfg.scheduler_config.max_num_batched_tokens * max(
         parallel.ep_size if parallel.use_ep else parallel.dp_size, 1)
     world = parallel.ep_size if parallel.use_ep else 1
-    ep_group = settings.ep_group if parallel.dp_size <= 1 else f"{settings.ep_group}-dp{parallel.dp_rank}"
+    # Under DP attention or sequence-parallel MoE this process routes a share of its group's tokens:
+    # it writes one shard of the group's window (vllm_layout.py), never a group of its own.
+    layout = vllm_layout.shard_layout(
+        dp_size=parallel.dp_size, dp_rank=parallel.dp_rank, tp_size=vcfg.parallel_config.tensor_parallel_size,
+        tp_rank=_tp_rank(), sp_size=parallel.sp_size, use_ep=parallel.use_ep, ep_rank=parallel.ep_rank)
+    if layout is not None:
+        settings = _lockstep_settings(settings)
     model = settings.model or _model_name(vcfg)
     element = torch.empty((), dtype=moe_config.in_dtype).element_size()
     on_cpu = device.type == "cpu"
     eager = bool(vcfg.model_config.enforce_eager)
-    from dataclasses import replace
     rec = EngineRecorder(
-        replace(settings, ep_group=ep_group), runtime=RUNTIME_NAME, model=model, top_k=moe_config.experts_per_token,
+        settings, runtime=RUNTIME_NAME, model=model, top_k=moe_config.experts_per_token,
         hidden_bytes=moe_config.hidden_dim * element, num_experts=moe_config.num_logical_experts,
         weights=PairWeights(max_tokens, moe_config.experts_per_token, device), world_size=world,
         time_steps=on_cpu, clock=EventClock(cuda_event_factory()) if device.type == "cuda" else None)
     if on_cpu and eager:
         rec.layer_seconds = {}
+    rec.ranks_per_node = vllm_layout.ranks_per_node(vcfg.parallel_config, world)
+    _state["layout"] = layout
+    if layout is not None:
+        _count_lockstep_steps(rec, layout, settings.window_steps)
     from . import vllm_eplb
     rec.extra_fields["engine_rebalance"] = vllm_eplb.take_records  # the EPLB policy's decisions, when it is on
     _state["recorder"] = rec
     _state["time_layers"] = on_cpu and eager
     return rec
+
+
+def _lockstep_settings(settings):
+    """A shard's window ends after window_steps of the steps every DP rank runs in lockstep (see
+    _count_lockstep_steps), never on a clock: ranks cannot agree on a wall-clock end without a
+    collective. MOEWATCH_WINDOW_SECONDS alone is taken as the default step count, with a warning."""
+    from dataclasses import replace
+
+    from .common import DEFAULT_WINDOW_STEPS, ENV_WINDOW_SECONDS, ENV_WINDOW_STEPS
+
+    if settings.window_steps is None:
+        logger.warning("moewatch: under data parallelism a window is %s lockstep steps (default %d); "
+                       "%s is not used, as DP ranks cannot agree on a wall-clock end", ENV_WINDOW_STEPS,
+                       DEFAULT_WINDOW_STEPS, ENV_WINDOW_SECONDS)
+    return replace(settings, window_steps=settings.window_steps or DEFAULT_WINDOW_STEPS, window_seconds=None)
+
+
+def _count_lockstep_steps(rec, layout, window_steps: int) -> None:
+    """Give each shard its window sequence without a collective. vLLM's DP engine core runs one
+    forward per busy-loop iteration on every DP rank at once (their collectives pair them): a step
+    with scheduled tokens through execute_model, or `execute_dummy_batch` on a rank with none. Both
+    are steps here (the dummy one with 0 tokens and counting nothing, _wrap_lockstep_and_warm_up), so
+    every DP rank counts the same steps, its windows end at the same step counts, and the i-th step
+    since start is in window i // window_steps on every rank: that is the sequence."""
+    begin = rec.begin_step
+    _state["lockstep_steps"] = 0
+    _state["sequence"] = 0
+
+    def begin_step(num_tokens: int) -> None:
+        _state["sequence"] = _state["lockstep_steps"] // window_steps
+        _state["lockstep_steps"] += 1
+        begin(num_tokens)
+
+    rec.begin_step = begin_step
+    rec.extra_fields["shard"] = lambda: layout.shard(_state["sequence"])
 
 
 def _model_name(vcfg) -> str:
@@ -154,16 +213,21 @@ def _bind(runner) -> None:
     """Give one MoERunner its counter: capture on the router (logical ids), and with EPLB on a GPU
     also the physical ids after vLLM's mapping."""
     router = getattr(runner, "router", None)
-    if router is None or not hasattr(router, "set_capture_fn") or not _reporting_rank():
+    if router is None or not hasattr(router, "set_capture_fn") or not _reporting_rank(runner.moe_config):
         return
     rec = _recorder_for(runner.moe_config)
     layer_id = runner.layer_id
     eplb = getattr(router, "eplb_state", None)
     num_slots = runner.moe_config.num_experts if eplb is not None else 0
     counter = rec.counter(layer_id, num_slots)
-    _share_capture_slot(router, counter.add)
+    rows = None
+    if _state.get("layout") is not None:  # a share of the group's tokens: count this process's own rows
+        rows = vllm_layout.own_rows(_state["layout"], rec.weights, observation_off)
+        _share_capture_slot(router, _counting_own_rows(counter.add, rows))
+    else:
+        _share_capture_slot(router, counter.add)
     if eplb is not None:
-        _count_slots(router, counter, rec)
+        _count_slots(router, counter, rec, rows)
     if _state.get("time_layers"):
         _time_layer(runner, layer_id, rec)
 
@@ -196,13 +260,26 @@ def _share_capture_slot(router, count) -> None:
     router.set_capture_fn = set_capture_fn
 
 
-def _count_slots(router, counter, rec) -> None:
+def _counting_own_rows(add, rows):
+    """A capture function that counts only the rows `rows` (vllm_layout.own_rows) selects (row-aligned
+    tensors passed with the ids, such as the router's weights, are sliced alike)."""
+    def count(topk_ids, *row_aligned):
+        own = rows(topk_ids)
+        if own is not None:
+            first, count, weights = own
+            add(topk_ids[first:first + count], *(t[first:first + count] for t in row_aligned),
+                pair_weights=weights)
+    return count
+
+
+def _count_slots(router, counter, rec, rows=None) -> None:
     # GPU only (vLLM's EPLB is CUDA-only): the mapped ids are what each slot computes.
     mapping = router._apply_eplb_mapping
+    add_slots = counter.add_slots if rows is None else _counting_own_rows(counter.add_slots, rows)
 
     def mapped(topk_ids):
         physical = mapping(topk_ids)
-        counter.add_slots(physical)
+        add_slots(physical)
         return physical
 
     router._apply_eplb_mapping = mapped
@@ -298,6 +375,8 @@ def _counting_steps(execute, *, dummy_runs: bool):
         tokens = scheduler_output.total_num_scheduled_tokens if rec is not None else 0
         if dummy_runs and kwargs.get("dummy_run", len(args) > 1 and args[1]):
             tokens = 0
+        if _state.get("warming_up"):  # Model Runner V2's warm-up sends realistic steps: not served
+            tokens = 0
         if tokens <= 0 or _state.get("off") or not _recorder_call(rec.begin_step, tokens):
             return execute(self, scheduler_output, *args, **kwargs)
         _state["model_runner"] = self
@@ -328,6 +407,50 @@ def _ending_steps(sample):
         finally:
             _end_open_step()
     return sample_tokens
+
+
+def _wrap_lockstep_and_warm_up() -> None:
+    """The worker's `execute_dummy_batch` (a DP rank with nothing scheduled, in step with the others):
+    a step of 0 tokens for a shard's lockstep count. The worker's warm-up and profiling
+    (compile_or_warm_up_model, determine_available_memory, V1's and the CPU worker's): no execute_model
+    call inside them is a served step (Model Runner V2's warm_up_kernels sends realistic scheduler
+    outputs through execute_model, without dummy_run)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    workers = [Worker]
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+        workers.append(CPUWorker)
+    except ImportError:  # a build without the CPU worker
+        pass
+
+    def dummy_step(dummy):
+        def execute_dummy_batch(self, *args, **kwargs):
+            rec = _state["recorder"]
+            if rec is None or _state.get("layout") is None or _state.get("off") \
+                    or not _recorder_call(rec.begin_step, 0):
+                return dummy(self, *args, **kwargs)
+            try:
+                return dummy(self, *args, **kwargs)
+            finally:
+                _recorder_call(rec.end_step)
+        return execute_dummy_batch
+
+    _wrap_once(Worker, "execute_dummy_batch", dummy_step)
+    for cls in workers:
+        for name in ("compile_or_warm_up_model", "determine_available_memory"):
+            if name in vars(cls):
+                _wrap_once(cls, name, _warming_up)
+
+
+def _warming_up(method):
+    def warm_up(self, *args, **kwargs):
+        _state["warming_up"] = _state.get("warming_up", 0) + 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _state["warming_up"] -= 1
+    return warm_up
 
 
 def _wrap_shutdown() -> None:
