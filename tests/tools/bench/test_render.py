@@ -33,6 +33,14 @@ def test_every_figure_in_the_docs_is_in_a_result_file():
         assert figures_without_result((ROOT / page).read_text(), records) == [], page
 
 
+def test_the_eplb_page_has_no_table_outside_its_rendered_slot():
+    # Its figures come from the result file through the slot; a table typed beside it goes stale unseen.
+    from moewatch.tools.bench.render import SLOT
+
+    outside = SLOT.sub("", (ROOT / "docs" / "benchmarks" / "eplb.md").read_text())
+    assert [line for line in outside.splitlines() if line.startswith("|")] == []
+
+
 def _record(bench: str, result: dict, busy: bool, others: float = 0.5) -> dict:
     return {"bench": bench, "file": f"{bench}-x.json", "result": result,
             "provenance": {"commit": "0" * 40, "command": f"moewatch bench {bench} --json",
