@@ -317,12 +317,10 @@ class Daemon:
             return None
         if isinstance(msg, Heartbeat):
             # The runtime reports its process's cumulative count; the group keeps it across reconnects
-            # of the same process (GroupStore.on_hello resets it for a new one), so only growth counts.
-            with group.lock:
-                group.last_heartbeat = time.time()
-                previous = group.runtime_frames_dropped
-                group.runtime_frames_dropped = msg.frames_dropped
-            grown = msg.frames_dropped - previous if msg.frames_dropped >= previous else msg.frames_dropped
+            # of the same process (GroupStore.on_hello resets it for a new one), so only growth counts;
+            # a sharded group keeps one per shard (its processes count on their own).
+            sharded = conn.hello is not None and conn.hello.sharded
+            grown = group.note_heartbeat(msg.frames_dropped, conn.hello.shard_index if sharded else None)
             if grown > 0:
                 self.metrics[RUNTIME_FRAMES_DROPPED_TOTAL].inc(group.key, grown)
             # The engine adapters' lost windows, by reason: kept per process, as several processes

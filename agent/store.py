@@ -56,6 +56,7 @@ class GroupStore:
     # connection and hello; the group is connected while any of them is.
     shard_connections: dict = field(default_factory=dict)
     shard_hellos: dict = field(default_factory=dict)
+    shard_frames_dropped: dict = field(default_factory=dict)  # shard index -> its process's own count
     last_heartbeat: float | None = None
     last_window_received: float | None = None
     history_nbytes: int = 0
@@ -107,6 +108,7 @@ class GroupStore:
             if new_lineage or not hello.sharded:
                 self.shard_connections.clear()
                 self.shard_hellos.clear()
+                self.shard_frames_dropped.clear()
             if hello.sharded:
                 self.shard_connections[hello.shard_index] = connection_id
                 self.shard_hellos[hello.shard_index] = hello
@@ -136,6 +138,18 @@ class GroupStore:
             self.connected = False
             self.left_at = time.time()
             return True
+
+    def note_heartbeat(self, frames_dropped: int, shard_index: int | None = None, now: float | None = None) -> int:
+        """A heartbeat's cumulative count of frames its process dropped -> how much it grew since that
+        process's last one. Kept per shard index in a sharded group: its processes count on their own."""
+        with self.lock:
+            self.last_heartbeat = time.time() if now is None else now
+            if shard_index is None:
+                previous, self.runtime_frames_dropped = self.runtime_frames_dropped, frames_dropped
+            else:
+                previous = self.shard_frames_dropped.get(shard_index, 0)
+                self.shard_frames_dropped[shard_index] = frames_dropped
+        return frames_dropped - previous if frames_dropped >= previous else frames_dropped
 
     def is_current(self, connection_id: int, hello: Hello | None) -> bool:
         """Whether a connection still speaks for the group (or, sharded, for its shard index): not

@@ -323,3 +323,21 @@ def test_a_digest_mismatch_reaches_the_audit_log_and_metrics_of_a_running_agent(
     finally:
         for process in processes:
             process.close()
+
+
+def test_each_shard_process_counts_its_own_dropped_frames(start_agent, helpers):
+    """Heartbeats carry each process's cumulative count: two shards' counts are not one count that
+    jumps between them (which would add 5 every time shard 1 follows shard 0)."""
+    daemon = start_agent()
+    processes = [ShardProcess(i, path=daemon.cfg.server.socket) for i in range(2)]
+    try:
+        assert helpers.wait_for(lambda: len(daemon._connections) == 2)
+        for dropped in ((3, 5), (3, 5), (4, 5)):
+            for process, count in zip(processes, dropped):
+                process.sock.sendall(wire.encode(wire.Heartbeat(time=1.0, epoch=0, step=1, frames_dropped=count)))
+        assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_runtime_frames_dropped_total", GROUP) == 9)
+        assert helpers.wait_for(lambda: daemon.store.get(GROUP).shard_frames_dropped == {0: 4, 1: 5})
+        assert daemon.metrics.get("moewatch_runtime_frames_dropped_total", GROUP) == 9
+    finally:
+        for process in processes:
+            process.close()
