@@ -52,7 +52,11 @@ def register() -> None:
     from .common import EngineSettings
 
     vllm_eplb.install_from_env()  # MOEWATCH_EPLB=1: moewatch's planner as vLLM's EPLB policy (vllm_eplb.py)
-    settings = EngineSettings.from_env()
+    try:
+        settings = EngineSettings.from_env()
+    except ValueError as exc:  # a malformed MOEWATCH_ variable: the engine serves unobserved, the log names it
+        observation_off(str(exc))
+        return
     if settings is None or _state["registered"]:
         return
     _state["registered"] = True

@@ -453,3 +453,19 @@ print(vllm.__version__, bool(vllm_plugin._state.get("off")))
     assert off == "True"
     lines = [line for line in proc.stderr.splitlines() if "observation is off" in line]
     assert len(lines) == 1 and f"vLLM {version}" in lines[0] and "sample_tokens" in lines[0], proc.stderr[-2000:]
+
+
+def test_a_malformed_setting_leaves_the_engine_serving_unobserved_with_a_warning_naming_it(monkeypatch, caplog):
+    import logging
+
+    from moewatch.runtime.engines import vllm_plugin
+
+    monkeypatch.setitem(vllm_plugin._state, "off", None)
+    monkeypatch.setitem(vllm_plugin._state, "registered", False)
+    monkeypatch.setenv("MOEWATCH_WINDOW_DIR", "/tmp/unused")
+    monkeypatch.setenv("MOEWATCH_WINDOW_STEPS", "ten")
+    monkeypatch.delenv("MOEWATCH_EPLB", raising=False)
+    with caplog.at_level(logging.WARNING, logger="moewatch.vllm"):
+        vllm_plugin.register()  # vLLM calls it unguarded in every process: it must not raise
+    assert not vllm_plugin._state["registered"] and "MOEWATCH_WINDOW_STEPS" in vllm_plugin._state["off"]
+    assert sum("observation is off" in r.message and "MOEWATCH_WINDOW_STEPS" in r.message for r in caplog.records) == 1
