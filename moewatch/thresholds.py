@@ -55,8 +55,14 @@ class Thresholds:
         2.0, "[serving-2026]: C = 2.0 roughly doubles expert memory",
         "largest capacity factor the triage will recommend", 1.0)
     compute_straggler_max_mean: float = _t(
-        1.3, "moewatch: the slowest rank's expert compute 30 % above the mean at even load",
-        "max/mean of per-rank compute time above which a rank is a hardware straggler", 1.0)
+        1.3, "moewatch: the slowest rank's expert compute within 30 % of the mean",
+        "max/mean of per-rank compute time at or under which compute counts as even beside uneven rank load "
+        "(evidence only: a plan made for rank speeds looks like that)", 1.0)
+    compute_straggler_per_pair: float = _t(
+        1.3, "moewatch: in one layer at even load, a rank's expert compute per pair 30 % above the median rank's "
+        "(per pair, so that a rank busy with more pairs is not read as slow)",
+        "a rank's expert compute seconds per pair over the median rank's, in one layer, above which it is a slow "
+        "device (at even load)", 1.0)
     straggler_relative_speed: float = _t(
         0.85, "moewatch: a rank under 85 % of the median rank's pairs per compute second, all layers of a window "
         "(a slow device is slow in every layer; one layer's time is noisy)",

@@ -15,8 +15,12 @@
 Verdicts and causes:
 - imbalance-bound / hot-experts: ranks imbalanced and a few experts carry the load.
 - imbalance-bound / straggler: ranks imbalanced without hot experts (the packing puts too much on
-  one rank), or, at even load, one rank's expert compute is much slower (a slow device), or the
-  others wait `straggler_wait_share` of layer time for one rank that arrives last.
+  one rank), or, at even load, one rank's expert compute is much slower per pair (a slow device;
+  per pair, since compute time grows with the pairs a busier rank carries), or the others wait
+  `straggler_wait_share` of layer time for one rank that arrives last. A transfer-dominated layer
+  with a slow rank is read as the straggler when the window's median layer is not
+  transfer-dominated (the rank's stalls inside the all-to-all), the communication cause going to
+  `metrics.other_reading` (docs/triage.md, "A CPU-starved rank").
 - comm-bound / small-batch: balanced, comm-dominated, messages under the seed's 32 KB.
 - comm-bound / placement: balanced, comm-dominated, cross-rank ratio above the prediction.
 - comm-bound / volume: balanced, comm-dominated, traffic as the placement predicts; when the window
@@ -295,6 +299,7 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         "mean_message_bytes": tm.mean_message_bytes(w),
         "capacity_factor": w.capacity_factor,
     }
+    pair_time = tm.pair_seconds_relative(w)
     relative = tm.relative_rank_speed(w)
     slow_rank = None if relative is None else int(np.nanargmin(relative))
     slow_speed = None if relative is None else float(relative[slow_rank])
@@ -316,6 +321,12 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         # The rank the others wait for: the least time inside the all-to-all (it arrived last).
         "last_arriving_rank": [None] * L if a2a is None else np.argmin(a2a, axis=1).tolist(),
         "slowest_compute_rank": [None] * L if w.compute_seconds is None else np.argmax(w.compute_seconds, axis=1).tolist(),
+        # Per pair (load taken out): the most compute seconds per pair over the median rank's, and whose.
+        "compute_per_pair_max_median": [None] * L if pair_time is None else _nanmax_rows(pair_time),
+        "slowest_per_pair_rank": [None] * L if pair_time is None else _nanargmax_rows(pair_time),
+        # The verdict the evidence also supports, where a transfer-dominated layer has a slow rank
+        # (set by the triage: {"verdict", "cause"}); None otherwise.
+        "other_reading": [None] * L,
         # Window-wide (a device is slow in every layer): the slowest rank and its speed over the median's.
         "slow_rank": [slow_rank] * L,
         "slow_rank_relative_speed": [slow_speed] * L,
@@ -329,6 +340,20 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         row.update({name: values[layer] for name, values in per_layer.items()})
         out.append(row)
     return out
+
+
+def _nanmax_rows(values: np.ndarray) -> list[float | None]:
+    """[L, W] with NaN for unknown -> per row the largest known value (None where none is known)."""
+    known = np.isfinite(values)
+    top = np.where(known, values, -np.inf).max(axis=1)
+    return [float(v) if ok else None for v, ok in zip(top.tolist(), known.any(axis=1).tolist())]
+
+
+def _nanargmax_rows(values: np.ndarray) -> list[int | None]:
+    """[L, W] with NaN for unknown -> per row the index of the largest known value (None where none)."""
+    known = np.isfinite(values)
+    at = np.where(known, values, -np.inf).argmax(axis=1)
+    return [int(i) if ok else None for i, ok in zip(at.tolist(), known.any(axis=1).tolist())]
 
 
 def _finite_column(values: np.ndarray | None, num_layers: int) -> list[Any]:
@@ -480,13 +505,19 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
             evidence.append("Cause unknown: message size and cross-rank traffic were not measured.")
         else:
             cause = "placement" if mapping_driven else "volume"
-    elif (imbalanced is False and m["compute_max_mean"] is not None
-          and m["compute_max_mean"] > t.compute_straggler_max_mean):
+        slow = _slow_rank(m, t) if imbalanced is False else None
+        if slow is not None:
+            verdict, cause = _comm_or_straggler(w, m, t, evidence, transfer, slow, cause)
+    elif (imbalanced is False and m["compute_per_pair_max_median"] is not None
+          and m["compute_per_pair_max_median"] > t.compute_straggler_per_pair):
+        # Per pair, not raw time: compute grows with pairs, so a rank that is merely busier (under the
+        # load bar) reads slow on raw time while its speed is typical.
         verdict, cause = IMBALANCE_BOUND, "straggler"
-        slow = m["slowest_compute_rank"]
+        slow = m["slowest_per_pair_rank"]
         waited = "" if not wait else f"; the other ranks wait for it inside the all-to-all ({wait:.0%} of layer time)"
-        evidence.append(f"At even load, rank {slow}'s expert compute takes {m['compute_max_mean']:.2f}x the "
-                        f"mean: a slow device{waited}.")
+        evidence.append(f"At even load, rank {slow}'s expert compute takes {m['compute_per_pair_max_median']:.2f}x "
+                        f"the median rank's time per pair (threshold {t.compute_straggler_per_pair:.2f}): a slow "
+                        f"device{waited}.")
     elif (imbalanced is False and m["slow_rank_relative_speed"] is not None
           and m["slow_rank_relative_speed"] < t.straggler_relative_speed):
         verdict, cause = IMBALANCE_BOUND, "straggler"
@@ -511,6 +542,48 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
         evidence.append(f"Verdict from the steps with evidence; missing: {', '.join(missing)}.")
 
     return LayerDiagnosis(layer, verdict, cause, overflow, m, evidence, [], 0.0, missing), False
+
+
+def _slow_rank(m: dict[str, Any], t: Thresholds) -> tuple[int, str] | None:
+    """The rank a layer's speed evidence names slow (in this layer per pair, else over the window's
+    layers), with the evidence in words; None when no rank is slow."""
+    per_pair = m["compute_per_pair_max_median"]
+    if per_pair is not None and per_pair > t.compute_straggler_per_pair:
+        return m["slowest_per_pair_rank"], (f"its expert compute takes {per_pair:.2f}x the median rank's time per pair "
+                                            "in this layer")
+    speed = m["slow_rank_relative_speed"]
+    if speed is not None and speed < t.straggler_relative_speed:
+        return m["slow_rank"], f"it computes {speed:.2f}x the median rank's pairs per second over all layers"
+    return None
+
+
+def _comm_or_straggler(w: Window, m: dict[str, Any], t: Thresholds, evidence: list[str], transfer: float,
+                       slow: tuple[int, str], comm_cause: str | None) -> tuple[str, str | None]:
+    """A transfer-dominated layer at even load in a window with a slow rank: which reading comes first.
+
+    A slow rank is slow at everything it does, its part of the all-to-all included where that part is
+    its own work (a CPU-starved host, a CPU transport) or starts late: its stalls inside the collective
+    lengthen the transfer of the layers they fall in, and nothing in a layer's sums tells that from a
+    slow link. A slow link or the inherent volume lengthens every layer's transfer alike. So when the
+    window's median layer is not transfer-dominated, this layer's long transfer is read as the slow
+    rank's (straggler first); when it is, the link or volume is read first. Either way the other
+    reading goes to the evidence and to `metrics.other_reading`."""
+    rank, why = slow
+    typical = float(np.nanmedian(tm.a2a_transfer_share(w)))
+    comm_reading = {"verdict": COMM_BOUND, "cause": comm_cause}
+    if typical < t.comm_share:
+        m["other_reading"] = comm_reading
+        evidence.append(
+            f"Rank {rank} is slow ({why}), and transfer crosses the bar in this layer ({transfer:.0%}) but not in the "
+            f"window's median layer ({typical:.0%}): a slow link or the volume would lengthen every layer's transfer, "
+            f"while a slow rank's stalls inside the all-to-all fall in some layers and not others. Read as a straggler "
+            f"first; if the layer stays transfer-dominated once rank {rank} is fixed, it is comm-bound"
+            + (f" / {comm_cause}." if comm_cause else "."))
+        return IMBALANCE_BOUND, "straggler"
+    m["other_reading"] = {"verdict": IMBALANCE_BOUND, "cause": "straggler"}
+    evidence.append(f"Rank {rank} is also slow ({why}): a straggler too, read second, because transfer dominates the "
+                    f"window's median layer as well ({typical:.0%}), as a slow link or the volume makes it.")
+    return COMM_BOUND, comm_cause
 
 
 def _rank_actions(w: Window, layer: int, m: dict[str, Any], t: Thresholds, verdict: str, cause: str | None,

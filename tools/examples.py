@@ -269,17 +269,24 @@ def scenario(name: str, **changes) -> Scenario:
 def production_window(seed: int = 0, *, num_layers: int = 58, num_experts: int = 256, num_slots: int = 320,
                       world_size: int = 64, top_k: int = 8, tokens_per_step: int = 4096, steps: int = 10,
                       hidden_bytes: int = 14336, start_time: float = 1_790_000_000.0, model: str = "bench",
-                      ep_group: str = "bench") -> Window:
+                      ep_group: str = "bench", routing_sigma: float | None = None) -> Window:
     """One window at production size, built with array operations only (the scenarios' per-token
     simulation is too slow at 58 x 256): a few hot experts per layer (tools/synthetic.py's "hot"
-    popularity), the extra slots replicating the hottest experts, each slot's pairs coming evenly
-    from every rank, times from a simple per-pair and per-byte model. For benchmarks at scale."""
+    popularity), or with `routing_sigma` near-uniform routing (each expert's share exp(N(0, sigma)),
+    no hot experts), the extra slots replicating the hottest experts, each slot's pairs coming evenly
+    from every rank, times from a simple per-pair and per-byte model (every rank at the same speed
+    per pair, 2 % noise). For benchmarks at scale and the triage's healthy-rank tests."""
     from .synthetic import popularity, sample_load
 
     rng = np.random.default_rng(seed)
     L, E, P, W = num_layers, num_experts, num_slots, world_size
     spr = P // W
-    load = sample_load(popularity("hot", L, E, rng), tokens_per_step * top_k * steps, rng)  # [L, E]
+    if routing_sigma is None:
+        shares = popularity("hot", L, E, rng)
+    else:
+        shares = rng.lognormal(0.0, routing_sigma, size=(L, E))
+        shares /= shares.sum(axis=1, keepdims=True)
+    load = sample_load(shares, tokens_per_step * top_k * steps, rng)  # [L, E]
     hottest = np.argsort(-load, axis=1, kind="stable")[:, :P - E]
     pmap = np.concatenate([np.tile(np.arange(E), (L, 1)), hottest], axis=1)
     pmap = np.take_along_axis(pmap, np.argsort(rng.random((L, P)), axis=1), axis=1)  # scatter over ranks
