@@ -9,16 +9,32 @@ cgroups and network namespaces, and its timings are only as clean as the machine
     .venv/bin/python scripts/record_fault_windows.py --table         # print what the triage says of the files
 
 Each case runs a 2-rank gloo group of `python -m moewatch.runtime` processes (the torchrun entry,
-started here with torchrun's variables), rank r pinned to core r with one thread, 4 MoE layers, 8
+started here with torchrun's variables), rank r pinned to core r with one thread at nice NICE (ahead
+of other work on a shared machine, so the injected fault is what the timings show), 4 MoE layers, 8
 experts, top-2, uniform routing unless the case says otherwise. Rank 0 appends every Window to a
 JSON-lines file (--windows-out); the first WARMUP windows are left out and the next ones saved as
 <case>.json ({"case", "flags", "windows": [Window dicts]}). labels.json maps each case to the
 verdict and cause the injection makes true, how the fault was made and when it was recorded.
 
+Each recording is checked to be what it claims before it is saved: a quota case records SPARE
+windows more and keeps the first `keep` in which the starved rank computed under SLOWER_AT_MOST of
+the other rank's pairs per second of expert compute (a quota does not bind while other work already
+holds the rank under it: such a window holds no fault; the ones left out are listed), and in every
+other case but the slow device the ranks' speeds are within SPEED_SPREAD of each other. The speeds,
+the machine's 1-minute load average before and after (other work on the machine skews timings) and
+the nice level go into labels.json.
+
 Cases and how each fault is made:
 - healthy: no fault; expert compute dominates the layer.
 - cpu-quota: rank 1's process (every thread) in a cgroup v1 CPU group held to 33 ms per 100 ms
   period, about a third of a core; the group is removed afterwards.
+- cpu-quota-25, cpu-quota-50: the same at 25 and 50 ms per 100 ms period, with 8 MoE layers and 6
+  windows each (where a starved rank's stalls land differs from layer to layer). At 75 ms the quota
+  bound in 5 of 10 windows (a rank in lockstep with its peer uses about that much of its core, less
+  when other work shares it): no reliable fault, so no such case.
+- healthy-a2a, cpu-quota-a2a: no fault, and rank 1 at 33 ms per 100 ms, with FFN 512: the all-to-all
+  a larger part of the layer (transfer about 0.4 of layer time when healthy), so that a starved
+  rank's stalls inside the all-to-all can carry a layer past the communication bar.
 - slow-device: rank 1 runs at --slow-factor 3 (the runtime's emulated slow device).
 - slow-link: each rank in its own network namespace, joined by a veth pair whose two ends are both
   held to LINK_RATE by a tbf qdisc; gloo and the store use the veth (GLOO_SOCKET_IFNAME, MASTER_ADDR).
@@ -46,6 +62,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "fault_windows"
 WARMUP = 2  # windows left out at the start (first-touch allocations, thread pools, the throttle settling)
 KEEP = 8
+SLOWER_AT_MOST = 0.9  # a quota case is saved only when its starved rank's relative speed is under this, every window
+SPARE = 4  # windows recorded beyond `keep` in a quota case, for windows where the quota did not bind
+NICE = -10  # ranks run ahead of other work on a shared machine, so the injected fault is what the timings show
+SPEED_SPREAD = 0.15  # a case without a slowed rank is saved only when no rank is this much slower
 WORLD = 2
 CGROUP = Path("/sys/fs/cgroup/cpu/moewatch-fault-quota")
 QUOTA_US, PERIOD_US = 33000, 100000
@@ -69,6 +89,8 @@ class Case:
     flags: dict[str, str] = field(default_factory=dict)  # on top of BASE
     namespaces: bool = False  # each rank in its own network namespace over the shaped veth
     quota_rank: int | None = None  # this rank's process goes into the CPU-quota cgroup
+    quota_us: int = QUOTA_US  # its CPU time per PERIOD_US
+    keep: int = KEEP  # windows saved
 
 
 CASES = {c.name: c for c in [
@@ -77,6 +99,17 @@ CASES = {c.name: c for c in [
          f"rank 1's process in a cgroup v1 cpu group, cpu.cfs_quota_us={QUOTA_US} per "
          f"cpu.cfs_period_us={PERIOD_US} (a third of a core), written to cgroup.procs before exec",
          quota_rank=1),
+    *[Case(f"cpu-quota-{quota}", "imbalance-bound", "straggler",
+           f"rank 1's process in a cgroup v1 cpu group, cpu.cfs_quota_us={quota * 1000} per "
+           f"cpu.cfs_period_us={PERIOD_US} ({quota} % of a core), written to cgroup.procs before exec; 8 layers",
+           flags={"--layers": "8"}, quota_rank=1, quota_us=quota * 1000, keep=6)
+      for quota in (25, 50)],
+    Case("healthy-a2a", "healthy", None, "no fault: uniform routing, FFN 512 (all-to-all about 0.4 of layer time); 8 layers",
+         flags={"--layers": "8", "--ffn": "512"}, keep=6),
+    Case("cpu-quota-a2a", "imbalance-bound", "straggler",
+         f"rank 1's process in a cgroup v1 cpu group, cpu.cfs_quota_us={QUOTA_US} per cpu.cfs_period_us={PERIOD_US} "
+         "(a third of a core), written to cgroup.procs before exec; FFN 512 (all-to-all about 0.4 of layer time "
+         "when healthy); 8 layers", flags={"--layers": "8", "--ffn": "512"}, quota_rank=1, keep=6),
     Case("slow-device", "imbalance-bound", "straggler",
          "rank 1 at --slow-rank 1 --slow-factor 3: its expert kernel runs three times (emulated slow device)",
          flags={"--slow-rank": "1", "--slow-factor": "3"}),
@@ -107,11 +140,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def cpu_quota_group():
-    """A cgroup v1 cpu group at a third of a core; removed afterwards (its tasks have exited by then)."""
+def cpu_quota_group(quota_us: int):
+    """A cgroup v1 cpu group held to quota_us per PERIOD_US; removed afterwards (its tasks have exited by then)."""
     CGROUP.mkdir(exist_ok=True)
     (CGROUP / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-    (CGROUP / "cpu.cfs_quota_us").write_text(str(QUOTA_US))
+    (CGROUP / "cpu.cfs_quota_us").write_text(str(quota_us))
     try:
         yield CGROUP / "cgroup.procs"
     finally:
@@ -152,7 +185,8 @@ def teardown_link() -> None:
 def case_flags(case: Case) -> dict[str, str]:
     flags = {**BASE, **case.flags}
     # The run ends on a window boundary: no partial last window.
-    flags["--steps"] = str(int(flags["--window-steps"]) * (WARMUP + KEEP))
+    spare = SPARE if case.quota_rank is not None else 0
+    flags["--steps"] = str(int(flags["--window-steps"]) * (WARMUP + case.keep + spare))
     return flags
 
 
@@ -174,6 +208,7 @@ def rank_command(case: Case, rank: int, windows_out: Path, port: int) -> tuple[l
 def start_rank(command: list[str], env: dict, core: int, cgroup_procs: Path | None, log) -> subprocess.Popen:
     def enter() -> None:  # in the child, before exec: what it and its threads inherit
         os.sched_setaffinity(0, {core})
+        os.nice(NICE)
         if cgroup_procs is not None:
             cgroup_procs.write_text(str(os.getpid()))
     return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=enter)
@@ -188,7 +223,7 @@ def record(case: Case, timeout_s: float) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix=f"fault-{case.name}-") as tmp:
         windows_out = Path(tmp) / "windows.jsonl"
         with contextlib.ExitStack() as stack:
-            procs = stack.enter_context(cpu_quota_group()) if case.quota_rank is not None else None
+            procs = stack.enter_context(cpu_quota_group(case.quota_us)) if case.quota_rank is not None else None
             if case.namespaces:
                 stack.enter_context(shaped_link())
             port = free_port()
@@ -212,13 +247,50 @@ def record(case: Case, timeout_s: float) -> list[dict]:
                 raise SystemExit(f"{case.name}: a rank failed\n{detail}")
         lines = windows_out.read_text().splitlines() if windows_out.exists() else []
     windows = [Window.from_json(line) for line in lines]  # validated: a bad window fails the recording
-    kept = windows[WARMUP:WARMUP + KEEP]
-    if len(kept) < 6:
+    kept = windows[WARMUP:]
+    if len(kept) < min(6, case.keep):
         raise SystemExit(f"{case.name}: only {len(windows)} windows came out")
     return [w.to_dict() for w in kept]
 
 
-def save(case: Case, windows: list[dict], out: Path, load_before: float) -> None:
+def rank_speeds(windows: list[dict]) -> list[float]:
+    """Each rank's pairs per second of expert compute over all the windows, relative to the fastest."""
+    import numpy as np
+
+    from moewatch import telemetry as tm
+
+    parsed = [tm.Window.from_dict(d) for d in windows]
+    pairs = sum(tm.rank_load(w).sum(axis=0) for w in parsed).astype(np.float64)
+    seconds = sum(w.compute_seconds.sum(axis=0) for w in parsed)
+    speed = pairs / seconds
+    return [round(float(v), 3) for v in speed / speed.max()]
+
+
+def check(case: Case, windows: list[dict]) -> tuple[list[dict], list[float]]:
+    """The windows to save, and the starved rank's speed in each window left out. Refuses a recording
+    that is not what its case claims (timings on a shared machine can lie): a window where the quota
+    did not bind (other work already held both ranks under it) holds no fault, so a quota case keeps
+    the first `keep` windows in which the starved rank computed under SLOWER_AT_MOST of the other's
+    pairs per second, and says which it left out."""
+    if case.quota_rank is not None:
+        each = [rank_speeds([d])[case.quota_rank] for d in windows]
+        bound = [d for d, speed in zip(windows, each) if speed < SLOWER_AT_MOST][:case.keep]
+        if len(bound) < case.keep:
+            raise SystemExit(f"{case.name}: the starved rank {case.quota_rank} computed at {each} of the fastest rank's "
+                             f"pairs per second, window by window: under {SLOWER_AT_MOST} in {len(bound)}, "
+                             f"{case.keep} needed; not saved")
+        last = windows.index(bound[-1])
+        return bound, [speed for speed in each[:last] if speed >= SLOWER_AT_MOST]
+    windows = windows[:case.keep]
+    speeds = rank_speeds(windows)
+    if "--slow-rank" not in case.flags and min(speeds) < 1.0 - SPEED_SPREAD:
+        raise SystemExit(f"{case.name}: rank speeds {speeds} (relative to the fastest) differ by more than "
+                         f"{SPEED_SPREAD:.0%} without a slowed rank: the machine was busy; not saved")
+    return windows, []
+
+
+def save(case: Case, windows: list[dict], out: Path, load_before: float, load_after: float,
+         speeds: list[float], left_out: list[float]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{case.name}.json").write_text(json.dumps({"case": case.name, "flags": case_flags(case), "windows": windows},
                                                       allow_nan=False) + "\n")
@@ -227,7 +299,12 @@ def save(case: Case, windows: list[dict], out: Path, load_before: float) -> None
     labels[case.name] = {"verdict": case.verdict, "cause": case.cause, "injection": case.injection,
                          "recorded": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                          # Other work on the machine skews timings: the 1-minute load average before the case
-                         "load_before": round(load_before, 2)}
+                         "load_before": round(load_before, 2), "load_after": round(load_after, 2), "nice": NICE,
+                         # Pairs per second of expert compute over the saved windows, over the fastest rank's
+                         "rank_speed": speeds}
+    if case.quota_rank is not None:
+        # Windows among the first saved ones' span where the quota did not bind: the starved rank's speed in each
+        labels[case.name]["windows_left_out"] = left_out
     labels_path.write_text(json.dumps(dict(sorted(labels.items())), indent=2) + "\n")
 
 
@@ -241,6 +318,7 @@ def table(out: Path) -> str:
     labels = json.loads((out / "labels.json").read_text())
     rows = ["| case | label | a2a_share | a2a_transfer_share | a2a_wait_share | compute max/mean | verdict today |",
             "|---|---|---|---|---|---|---|"]
+    right = total = 0
     for name, label in labels.items():
         windows = [tm.Window.from_dict(d) for d in json.loads((out / f"{name}.json").read_text())["windows"]]
 
@@ -252,10 +330,13 @@ def table(out: Path) -> str:
             for d in diagnose(w).layers:
                 key = f"{d.verdict}/{d.cause}"
                 verdicts[key] = verdicts.get(key, 0) + 1
+                right += (d.verdict, d.cause) == (label["verdict"], label["cause"])
+                total += 1
         today = ", ".join(f"{k} x{n}" for k, n in sorted(verdicts.items(), key=lambda kv: -kv[1]))
         rows.append(f"| {name} | {label['verdict']}/{label['cause']} | {per_layer(tm.a2a_share)} | "
                     f"{per_layer(tm.a2a_transfer_share)} | {per_layer(tm.a2a_wait_share)} | "
                     f"{per_layer(tm.compute_max_mean)} | {today} |")
+    rows.append(f"\nlayers with their label: {right} of {total}")
     return "\n".join(rows)
 
 
@@ -278,7 +359,9 @@ def main() -> int:
     for name in names:
         started, load = time.monotonic(), os.getloadavg()[0]
         windows = record(CASES[name], args.timeout)
-        save(CASES[name], windows, args.out, load)
+        windows, left_out = check(CASES[name], windows)
+        speeds = rank_speeds(windows)
+        save(CASES[name], windows, args.out, load, os.getloadavg()[0], speeds, left_out)
         print(f"{name}: {len(windows)} windows in {time.monotonic() - started:.0f} s", flush=True)
     print(table(args.out))
     return 0
