@@ -324,19 +324,25 @@ class RecorderTap:
     """Attaches to SGLang's expert-distribution recorder: after its accumulator's own `append` of a
     forward pass (model_runner.forward ends every pass, replayed graphs included, with
     `_on_forward_pass_end`, which hands the primary gatherer's [L, P] `global_physical_count` to
-    `append`), the same device tensor goes to `on_pass`. An error there is logged once and the tap
-    stays out of SGLang's way from then on."""
+    `append`), the same device tensor goes to `on_pass`. A speculative drafter's pass (its model
+    runner shares the process's recorder) is left out: SGLang records none of its pairs, and it is
+    not a step of the model. An error is logged once and the tap stays out of SGLang's way after."""
 
     def __init__(self, recorder: Any, on_pass: Any):
         from sglang.srt.eplb.expert_distribution import _SINGLE_PASS_GATHERER_KEY_PRIMARY as primary
 
         accumulator = recorder._accumulator
         original = getattr(accumulator, "_moewatch_original_append", accumulator.append)
-        state = {"broken": False}
+        original_start = getattr(recorder, "_moewatch_original_start", recorder._on_forward_pass_start)
+        state = {"broken": False, "drafter": False}
+
+        def on_forward_pass_start(forward_batch):
+            state["drafter"] = is_drafter_pass(forward_batch)
+            return original_start(forward_batch)
 
         def append(forward_pass_id, gatherer_key, single_pass_data, outputs):
             result = original(forward_pass_id, gatherer_key, single_pass_data, outputs)
-            if gatherer_key == primary and not state["broken"]:
+            if gatherer_key == primary and not state["broken"] and not state["drafter"]:
                 try:
                     on_pass(single_pass_data["global_physical_count"])
                 except Exception as exc:  # never into SGLang's forward pass
@@ -346,6 +352,18 @@ class RecorderTap:
 
         accumulator._moewatch_original_append = original
         accumulator.append = append
+        recorder._moewatch_original_start = original_start
+        recorder._on_forward_pass_start = on_forward_pass_start
+
+
+def is_drafter_pass(forward_batch: Any) -> bool:
+    """Whether a forward batch is a speculative drafter's (its spec_info a draft input, or a
+    draft-extend pass); the target's verify pass is the model's step."""
+    mode = getattr(forward_batch, "forward_mode", None)
+    if mode is not None and getattr(mode, "is_draft_extend_v2", lambda: False)():
+        return True
+    spec = getattr(forward_batch, "spec_info", None)
+    return bool(spec is not None and getattr(spec, "is_draft_input", lambda: False)())
 
 
 def _hello(cfg: HookConfig, ep_group: str, ranks_per_node: int | None = None,

@@ -294,3 +294,31 @@ def test_deepep_dispatch_counts_are_marked_received_and_ranks_per_node_comes_fro
                       recorder_layers=L, recorder_slots=8)
     assert decision.refusal is None and decision.counts_received and decision.ranks_per_node == 4
     assert decision.shard == {"index": 3, "count": 8, "rank": 3}
+
+
+def test_a_speculative_drafters_passes_are_not_steps_of_the_model(monkeypatch, made):
+    """SGLang's SpecInput draft / verify inputs (speculative/spec_info.py) and ForwardMode on the
+    forward batches the drafter's and the target's model runners hand the shared recorder."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
+
+    verify = types.SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, spec_info=SpecInput(SpecInputType.EAGLE_VERIFY))
+    drafts = [types.SimpleNamespace(forward_mode=ForwardMode.DECODE, spec_info=SpecInput(SpecInputType.EAGLE_DRAFT)),
+              types.SimpleNamespace(forward_mode=ForwardMode.DRAFT_EXTEND_V2,
+                                    spec_info=SpecInput(SpecInputType.EAGLE_DRAFT_EXTEND))]
+    with sglang_server.server(monkeypatch, ranks={"tp_rank": 0, "moe_ep_rank": 0}, recorder_pmap=PMAP,
+                              recording=True, forward_hooks=hook_specs(), **SERVER) as recorder:
+        model = Model()
+        finalize_cuda_graph_capture(types.SimpleNamespace(model=model, is_draft_worker=False, device="cpu",
+                                                          forward_stream=None, canary_manager=None))
+        seen = []
+        for step in range(2):
+            logits, ids = routed(step)
+            with recorder.with_forward_pass(3 * step, verify):
+                model(logits)
+            seen.append(ids)
+            for offset, draft in enumerate(drafts, 1):  # the drafter's MTP layers record nothing
+                with recorder.with_forward_pass(3 * step + offset, draft):
+                    pass
+        window = made[0].flush()
+    assert window.steps == 2 and np.array_equal(window.slot_tokens, recount(seen))
