@@ -11,6 +11,7 @@ import socket
 import urllib.request
 
 import numpy as np
+import pytest
 
 from moewatch import wire
 from moewatch.agent.audit import AuditLog, read_audit
@@ -18,6 +19,7 @@ from moewatch.agent.config import AgentConfig
 from moewatch.agent.metrics.state import MetricsState
 from moewatch.agent.shards import ShardMerger, ShardStep
 from moewatch.telemetry import Window
+from moewatch.thresholds import ConfigError
 
 L, E, W = 2, 8, 4
 GROUP = ("m", "g")
@@ -341,3 +343,23 @@ def test_each_shard_process_counts_its_own_dropped_frames(start_agent, helpers):
     finally:
         for process in processes:
             process.close()
+
+
+def test_one_connection_speaks_for_one_shard(start_agent, helpers):
+    """A second hello on a shard's connection naming another shard index is a mismatch, not a takeover."""
+    daemon = start_agent()
+    process = ShardProcess(0, path=daemon.cfg.server.socket)
+    try:
+        assert helpers.wait_for(lambda: len(daemon._connections) == 1)
+        process.sock.sendall(wire.encode(shard_hello(1, pid=4000)))
+        assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_frames_rejected_total", ("mismatch",)) == 1)
+        assert list(daemon._connections) == [("m", "g", 0)]
+    finally:
+        process.close()
+
+
+def test_the_deadline_settings_are_checked_at_the_edge_naming_the_field():
+    for name, value in (("shard_deadline_windows", 0), ("shard_min_deadline_seconds", -1), ("max_shard_sequences", 0)):
+        with pytest.raises(ConfigError, match=f"limits.{name}"):
+            limits(**{name: value})
+    assert limits(shard_deadline_windows=2.0, shard_min_deadline_seconds=1.0).shard_deadline_seconds(3.0) == 6.0
