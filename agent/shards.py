@@ -167,25 +167,23 @@ class ShardMerger:
         return out
 
     def _emit(self, key: GroupKey, group: _Group, sequence: int, held: _Sequence) -> Emitted:
-        kept, refused = shard_merge.agreement(list(held.shards.values()))
-        count = kept[0].shard.count
-        received = sorted(w.shard.index for w in kept)
-        refused_items = [(w.shard.index, reason) for w, reason in refused]
-        refused_indices = {i for i, _ in refused_items if i < count}
-        missing = sorted(set(range(count)) - set(received) - refused_indices)
+        shards = sorted(held.shards.values(), key=lambda w: w.shard.index)
         try:
-            window = self._calls_once(group, shard_merge.merge_shards(kept, missing=missing,
-                                                                      refused=sorted(refused_indices)))
-            error = None
-        except (WindowError, ValueError) as exc:
+            merged, refused = shard_merge.merge_sequence(shards)
+            window, error = self._calls_once(group, merged), None
+            report = merged.shards_report
+            count, received, missing = report.count, list(report.received), list(report.missing)
+            refused_items = [(w.shard.index, reason) for w, reason in refused]
+        except (WindowError, ValueError) as exc:  # a shard that lied about its counts: the sequence is lost
             window, error = None, str(exc)
-            refused_items += [(i, metrics.INVALID_MERGE) for i in received]
-        emitted = Emitted(key, sequence, count, window, received if window is not None else [], missing,
-                          refused_items, error, self._mismatches(key, group, list(held.shards.values()), sequence))
+            count, received, missing = shards[0].shard.count, [], []
+            refused_items = [(w.shard.index, metrics.INVALID_MERGE) for w in shards]
+        emitted = Emitted(key, sequence, count, window, received, missing, refused_items, error,
+                          self._mismatches(key, group, shards, sequence))
         group.windows["complete" if emitted.complete else "partial"] += window is not None
         group.missing += len(missing)
         group.refused.update(reason for _, reason in refused_items)
-        group.last = {"sequence": sequence, "count": count, "received": emitted.received, "missing": missing,
+        group.last = {"sequence": sequence, "count": count, "received": received, "missing": missing,
                       "refused": [{"index": i, "reason": r} for i, r in refused_items]}
         return emitted
 

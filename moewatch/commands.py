@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from .cli_contract import OneLineCommand, fail_input
+from .cli_contract import PROG, OneLineCommand, fail_input
+from .shards import merge_sequence
 from .telemetry import Window, WindowError
 from .thresholds import ConfigError, thresholds_from_cli, thresholds_options
 from .triage import VERDICTS, WindowDiagnosis, diagnose as triage_window
@@ -196,8 +197,37 @@ def _parse_fail_on(value: str | None) -> set[str]:
     return wanted
 
 
+def load_shards_or_window(sources: tuple[str, ...]) -> Window:
+    """One whole window: a single source as it is, or the shards of one window (files an engine
+    adapter wrote per DP rank, docs/telemetry.md "Shards") merged as the agent merges them, the shards
+    not given named missing; a refused shard is said on stderr. Exits 2 on sources that are not
+    shards of one window."""
+    windows = [load_window(source) for source in sources]
+    if len(windows) == 1 and windows[0].shard is None:
+        return windows[0]
+    for source, window in zip(sources, windows):
+        if window.shard is None:
+            fail_input(f"{source}: a whole window, not a shard: give one whole window, or shards of one window")
+    first = windows[0]
+    for source, window in zip(sources, windows):
+        identity = (window.model, window.ep_group, window.shard.sequence)
+        if identity != (first.model, first.ep_group, first.shard.sequence):
+            fail_input(f"{source}: shard of {window.model}/{window.ep_group} sequence {window.shard.sequence}, not of "
+                       f"{first.model}/{first.ep_group} sequence {first.shard.sequence}")
+    indices = [w.shard.index for w in windows]
+    if len(set(indices)) != len(indices):
+        fail_input(f"shard {max(set(indices), key=indices.count)} given twice")
+    try:
+        merged, refused = merge_sequence(windows)
+    except (WindowError, ValueError) as exc:
+        fail_input(f"the shards do not merge into a valid window: {exc}")
+    for window, reason in refused:
+        click.echo(f"{PROG}: shard {window.shard.index} left out ({reason})", err=True)
+    return merged
+
+
 @click.command(cls=OneLineCommand)
-@click.argument("source")
+@click.argument("sources", nargs=-1, required=True, metavar="SOURCE...")
 @click.option("--json", "as_json", is_flag=True, help="Print only the diagnosis as JSON.")
 @click.option("--fail-on", default=None, metavar="VERDICTS",
               help="Comma-separated verdicts; exit 1 when any layer has one (e.g. comm-bound,imbalance-bound).")
@@ -215,17 +245,18 @@ def _parse_fail_on(value: str | None) -> set[str]:
               help="The engine's /metrics (vLLM or SGLang; a saved scrape or its URL): the SLO section, "
                    "over everything since the engine started, judged by the default targets.")
 @thresholds_options
-def diagnose(source: str, as_json: bool, fail_on: str | None, config_path: str | None, explain: bool,
-             nccl_inspector: str | None, nccl_communicator: str | None, a2a_calls_per_step: int | None,
+def diagnose(sources: tuple[str, ...], as_json: bool, fail_on: str | None, config_path: str | None,
+             explain: bool, nccl_inspector: str | None, nccl_communicator: str | None, a2a_calls_per_step: int | None,
              engine_metrics: str | None, **threshold_flags) -> None:
     """Triage SOURCE (a window file, JSON or binary; an SGLang expert-distribution dump .pt or a folder
-    of per-rank dumps) layer by layer, in the documented order."""
+    of per-rank dumps) layer by layer, in the documented order. Several SOURCEs: the shards of one
+    window (one file per DP rank), merged as the agent merges them; shards not given are named missing."""
     verdicts_failing = _parse_fail_on(fail_on)
     try:
         thresholds = thresholds_from_cli(config_path, **threshold_flags)
     except ConfigError as exc:
         fail_input(str(exc))
-    window = load_window(source)
+    window = load_shards_or_window(sources)
     if nccl_inspector is not None:
         window = _with_nccl_a2a(window, nccl_inspector, nccl_communicator, a2a_calls_per_step)
     if engine_metrics is not None:

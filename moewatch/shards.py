@@ -272,3 +272,17 @@ def merge_shards(shards: Sequence[Window], missing: Iterable[int] = (), refused:
     fields["extra"] = extra
     return Window(**fields)
 
+
+def merge_sequence(shards: Sequence[Window]) -> tuple[Window, list[tuple[Window, str]]]:
+    """One sequence's shards, as they came, to (its whole window, the refused shards with their
+    reasons): the agreeing ones (`agreement`) merged, the window naming as missing every index of the
+    count that neither came nor was refused. Raises WindowError or ValueError as merge_shards does.
+
+    shards: windows that each carry `extra.shard`, distinct shard indices, one sequence."""
+    kept, refused = agreement(shards)
+    if not kept:
+        raise ValueError("no shards to merge")
+    count = kept[0].shard.count
+    refused_indices = sorted({w.shard.index for w, _ in refused if w.shard.index < count})
+    missing = sorted(set(range(count)) - {w.shard.index for w in kept} - set(refused_indices))
+    return merge_shards(kept, missing=missing, refused=refused_indices), refused

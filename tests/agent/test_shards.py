@@ -118,6 +118,26 @@ def test_a_shard_with_another_map_is_refused_by_reason_and_the_rest_merged():
                                   summed("expert_tokens", [shard(r, 0) for r in (0, 1, 3)]))
 
 
+def test_shards_whose_merge_breaks_the_contract_are_refused_whole_never_half_merged():
+    """Each shard is valid alone, but shard 1's per-rank totals put its pairs on rank 0 while the map
+    puts them on every rank: the merged window would break rank_tokens = slot counts per rank."""
+    merger = ShardMerger(limits())
+    good = shard(0, 0)
+    liar = shard(1, 0)
+    totals = np.zeros((L, W), np.int64)
+    totals[:, 0] = liar.expert_tokens.sum(axis=1)
+    liar = liar.replace(rank_tokens=totals)
+    good = good.replace(rank_tokens=good.expert_tokens.reshape(L, W, E // W).sum(axis=2))
+    out = []
+    for w in (good, liar, shard(2, 0).replace(rank_tokens=shard(2, 0).expert_tokens.reshape(L, W, 2).sum(axis=2)),
+              shard(3, 0).replace(rank_tokens=shard(3, 0).expert_tokens.reshape(L, W, 2).sum(axis=2))):
+        out += merger.offer(w, now=0.0).emitted
+    (emitted,) = out
+    assert emitted.window is None and "rank_tokens" in emitted.error
+    assert emitted.refused == [(i, "invalid_merge") for i in range(W)]
+    assert merger.status(GROUP)["shards_refused"] == {"invalid_merge": W}
+
+
 # --- the step's actions: counters, audit, delivery -------------------------------------------------------
 
 def record(call: int, digest: str) -> dict:
@@ -254,7 +274,8 @@ def test_shards_over_the_socket_and_tcp_make_one_groups_windows_on_metrics_and_s
         windows = [t.window for t in group.recent()]
         for sequence, window in enumerate(windows):
             ranks = range(W) if sequence < 2 else range(3)
-            np.testing.assert_array_equal(window.expert_tokens, summed("expert_tokens", [shard(r, sequence) for r in ranks]))
+            expected = summed("expert_tokens", [shard(r, sequence) for r in ranks])
+            np.testing.assert_array_equal(window.expert_tokens, expected)
         assert windows[0].traffic is not None and windows[0].layer_seconds is not None
         body = status(daemon.http_url)
         (item,) = body["groups"]

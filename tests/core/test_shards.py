@@ -4,12 +4,16 @@ window built directly from the same (token, expert) pairs."""
 
 from __future__ import annotations
 
+import json
+
 import jsonschema
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from moewatch import shards as sh
 from moewatch import wire
+from moewatch.cli import main
 from moewatch.schema import packaged_schema
 from moewatch.telemetry import ARRAY_FIELDS, SCALAR_FIELDS, Shard, Window, WindowError
 from moewatch.triage import diagnose
@@ -320,3 +324,34 @@ def test_a_shards_hello_names_it_and_a_whole_runtimes_hello_is_framed_as_before(
     for bad in ({"shard_index": 4, "shard_count": 4}, {"shard_count": 0}, {"shard_index": -1, "shard_count": 2}):
         with pytest.raises(ValueError, match="hello.shard_"):
             wire.Hello(**base, **bad)
+
+
+# --- moewatch diagnose on shard files ---------------------------------------------------------------------
+
+def test_diagnose_merges_the_shard_files_of_one_window_as_the_agent_does(tmp_path):
+    pairs = routed_pairs()
+    whole = window_from_pairs(pairs, list(range(W)))
+    paths = []
+    for r, shard in enumerate(shards_of(pairs)):
+        path = tmp_path / f"shard-{r}.{'json' if r % 2 else 'bin'}"
+        path.write_bytes(shard.to_json().encode() if r % 2 else shard.to_bytes())
+        paths.append(str(path))
+    (tmp_path / "whole.json").write_text(whole.to_json())
+
+    def run(*args):
+        return CliRunner().invoke(main, ["diagnose", *args, "--json"], catch_exceptions=False)
+
+    merged, reference = run(*paths), run(str(tmp_path / "whole.json"))
+    assert merged.exit_code == 0 and reference.exit_code == 0, merged.output
+    assert json.loads(merged.output)["layers"] == json.loads(reference.output)["layers"]
+    partial = json.loads(run(*paths[:3]).output)
+    assert "shards" in partial["summary"]["missing"] and "a2a_time" in partial["summary"]["missing"]
+    # A lone shard is its group's window without the other shards, not the group's window.
+    assert "shards" in json.loads(run(paths[0]).output)["summary"]["missing"]
+    other = tmp_path / "other-sequence.json"
+    other.write_text(shards_of(pairs, sequence=8)[3].to_json())
+    bad_inputs = (((*paths[:3], str(other)), "sequence 8"), ((paths[0], str(tmp_path / "whole.json")), "not a shard"),
+                  ((paths[0], paths[0]), "given twice"))
+    for bad, says in bad_inputs:
+        result = CliRunner().invoke(main, ["diagnose", *bad])
+        assert result.exit_code == 2 and says in result.output, result.output
