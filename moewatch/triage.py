@@ -300,6 +300,12 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         "capacity_factor": w.capacity_factor,
     }
     pair_time = tm.pair_seconds_relative(w)
+    if pair_time is not None:
+        # Only a rank the others wait for can straggle: one at or over the median rank's compute time.
+        # A lightly loaded rank carries its fixed per-expert costs over fewer pairs and reads slow per
+        # pair while it finishes first.
+        compute = w.compute_seconds
+        pair_time = np.where(compute >= np.median(compute, axis=1, keepdims=True), pair_time, np.nan)
     relative = tm.relative_rank_speed(w)
     slow_rank = None if relative is None else int(np.nanargmin(relative))
     slow_speed = None if relative is None else float(relative[slow_rank])
@@ -321,7 +327,8 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         # The rank the others wait for: the least time inside the all-to-all (it arrived last).
         "last_arriving_rank": [None] * L if a2a is None else np.argmin(a2a, axis=1).tolist(),
         "slowest_compute_rank": [None] * L if w.compute_seconds is None else np.argmax(w.compute_seconds, axis=1).tolist(),
-        # Per pair (load taken out): the most compute seconds per pair over the median rank's, and whose.
+        # Per pair (load taken out): the most compute seconds per pair over the median rank's, among the
+        # ranks at or over the median compute time, and whose.
         "compute_per_pair_max_median": [None] * L if pair_time is None else _nanmax_rows(pair_time),
         "slowest_per_pair_rank": [None] * L if pair_time is None else _nanargmax_rows(pair_time),
         # The verdict the evidence also supports, where a transfer-dominated layer has a slow rank
@@ -330,6 +337,11 @@ def layer_metrics(w: Window, t: Thresholds) -> list[dict[str, Any]]:
         # Window-wide (a device is slow in every layer): the slowest rank and its speed over the median's.
         "slow_rank": [slow_rank] * L,
         "slow_rank_relative_speed": [slow_speed] * L,
+        # Whether that rank's compute in this layer is at or over the median rank's: only then do the
+        # others wait for its compute here (a rank slow per pair only from fixed costs over few pairs
+        # finishes first).
+        "slow_rank_holds_up": ([None] * L if slow_rank is None else
+                               (w.compute_seconds[:, slow_rank] >= np.median(w.compute_seconds, axis=1)).tolist()),
         "hot_experts": [None] * L if hot is None else hot,
         "cross_node_ratio": _finite_column(cross_node, L),
         "expected_cross_node_ratio": _finite_column(expected_node, L),
@@ -519,7 +531,7 @@ def _judge(w: Window, layer: int, m: dict[str, Any], t: Thresholds, missing: lis
                         f"the median rank's time per pair (threshold {t.compute_straggler_per_pair:.2f}): a slow "
                         f"device{waited}.")
     elif (imbalanced is False and m["slow_rank_relative_speed"] is not None
-          and m["slow_rank_relative_speed"] < t.straggler_relative_speed):
+          and m["slow_rank_relative_speed"] < t.straggler_relative_speed and m["slow_rank_holds_up"]):
         verdict, cause = IMBALANCE_BOUND, "straggler"
         waited = "" if not wait else f"; the others wait {wait:.0%} of layer time for it inside the all-to-all"
         evidence.append(f"At even load, rank {m['slow_rank']} computes {m['slow_rank_relative_speed']:.2f}x the median "
@@ -552,7 +564,7 @@ def _slow_rank(m: dict[str, Any], t: Thresholds) -> tuple[int, str] | None:
         return m["slowest_per_pair_rank"], (f"its expert compute takes {per_pair:.2f}x the median rank's time per pair "
                                             "in this layer")
     speed = m["slow_rank_relative_speed"]
-    if speed is not None and speed < t.straggler_relative_speed:
+    if speed is not None and speed < t.straggler_relative_speed and m["slow_rank_holds_up"]:
         return m["slow_rank"], f"it computes {speed:.2f}x the median rank's pairs per second over all layers"
     return None
 

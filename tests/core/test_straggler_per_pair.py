@@ -100,3 +100,20 @@ def test_pair_seconds_relative_leaves_out_ranks_without_pairs(hand):
     assert ratio.shape == (1, 4)
     assert np.isnan(ratio[0, 1])
     assert ratio[0, 3] / ratio[0, 0] == pytest.approx(2.0)
+
+
+def test_a_lightly_loaded_rank_slow_per_pair_only_from_fixed_costs_is_no_straggler(hand):
+    """Eight ranks at even load (std/mean 0.25), rank 7 with 300 pairs against 1000: with a fifth of a
+    full rank's compute fixed per expert, it takes 1.47x the others' time per pair (0.68 of their
+    speed over the window), yet finishes first; nobody waits for it. Fails without the 'holds up'
+    condition on both speed rules (per pair in the layer, and over the window)."""
+    traffic = hand.uniform(8, 125)
+    traffic[:, 7] = [38, 38, 38, 37, 37, 37, 37, 38]
+    load = traffic.sum(axis=0)
+    compute = 0.2 + 0.8 * load / 1000.0
+    w = hand.window(traffic, [0.1] * 8, [0.1] * 8, compute)
+    assert tm.pair_seconds_relative(w)[0, 7] > 1.4
+    d = diagnose(w).layers[0]
+    assert (d.verdict, d.cause) == ("healthy", None)
+    assert d.metrics["compute_per_pair_max_median"] == pytest.approx(1.0)
+    assert d.metrics["slow_rank"] == 7 and d.metrics["slow_rank_holds_up"] is False
