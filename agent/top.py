@@ -52,6 +52,9 @@ def render(status: dict[str, Any], colour: bool) -> str:
             lines.append(f"  {slo_line}")
         for line in format_engine_rebalance(g.get("engine_rebalance"), colour):
             lines.append(f"  {line}")
+        shards_line = format_shards(g.get("shards"), colour)
+        if shards_line:
+            lines.append(f"  {shards_line}")
         lines.append(f"  {'layer':>5}  {'verdict':<16} {'cause':<12} {'balanced':>8} {'a2a':>5} "
                      f"{'max/mean':>8} {'ms/step':>8}  hot experts")
         for row in g.get("layers", []):
@@ -107,6 +110,24 @@ def format_engine_rebalance(status: dict[str, Any] | None, colour: bool) -> list
     if failed:
         lines.append(f"latest fallback {_clock(failed.get('window_end'))}: {failed.get('error', '')[:100]}")
     return lines
+
+
+def format_shards(status: dict[str, Any] | None, colour: bool) -> str:
+    """A sharded group's merge (the agent's status.shards): windows merged, shards missing or refused,
+    and what the latest sequence lacked; empty for a group that sends whole windows."""
+    if not status:
+        return ""
+    windows = status.get("windows", {})
+    refused = ", ".join(f"{reason} {n}" for reason, n in sorted(status.get("shards_refused", {}).items()) if n)
+    line = (f"shards: {windows.get('complete', 0)} windows complete, {windows.get('partial', 0)} partial, "
+            f"{status.get('shards_missing', 0)} shards missing" + (f", refused: {refused}" if refused else ""))
+    latest = status.get("latest")
+    if latest:
+        lacking = latest.get("missing", []) + [r["index"] for r in latest.get("refused", [])]
+        tail = (f"; latest sequence {latest['sequence']}: {len(latest.get('received', []))} of {latest['count']}"
+                + (f", lacking {', '.join(map(str, sorted(lacking)))}" if lacking else ""))
+        line += click.style(tail, fg="red") if colour and lacking else tail
+    return line
 
 
 def format_slo(slo: dict[str, Any] | None) -> str:

@@ -18,6 +18,7 @@ from moewatch.agent.audit import AuditLog, read_audit
 from moewatch.agent.config import AgentConfig
 from moewatch.agent.metrics.state import MetricsState
 from moewatch.agent.shards import ShardMerger, ShardStep
+from moewatch.agent.top import render
 from moewatch.telemetry import Window
 from moewatch.thresholds import ConfigError
 
@@ -283,6 +284,8 @@ def test_shards_over_the_socket_and_tcp_make_one_groups_windows_on_metrics_and_s
         assert item["shards"]["windows"] == {"complete": 2, "partial": 1}
         assert item["shards"]["latest"] == {"sequence": 2, "count": W, "received": [0, 1, 2], "missing": [3],
                                             "refused": []}
+        assert ("shards: 2 windows complete, 1 partial, 1 shards missing; latest sequence 2: 3 of 4, lacking 3"
+                in render(body, colour=False))
         # No shard replaced another, and the group takes no plan (no connection speaks for all of it).
         assert all(p.open() for p in processes) and daemon.connection_of(GROUP) is None
         processes[3].send(shard(3, 2))
