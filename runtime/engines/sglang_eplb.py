@@ -3,7 +3,9 @@
 With MOEWATCH_EPLB=1 it registers an AROUND hook with SGLang's HookRegistry on
 `sglang.srt.eplb.eplb_algorithms.rebalance_experts`, the function every rank calls independently
 when it rebalances (`--enable-eplb`, every `--eplb-rebalance-num-iterations`) and when it builds
-a placement from counts at start. Unset, nothing is registered.
+a placement from counts at start. Unset, nothing is registered for it. (The same entry point
+registers, when MOEWATCH_SOCKET or MOEWATCH_WINDOW_DIR is set, the routed counts under DeepEP of
+sglang_routed.py.)
 
 The hook answers with moewatch.planner.rebalance.gated_rebalance: the load is SGLang's
 tokens_per_expert summed over its windows [X, L, E] -> [L, E]; the current map, for minimal
@@ -30,6 +32,7 @@ import numpy as np
 from moewatch.planner.placement_math import replica_counts_of
 from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance
 
+from . import sglang_routed
 from .rebalance_hook import RebalanceHookState
 
 logger = logging.getLogger("moewatch.sglang.eplb")
@@ -44,7 +47,10 @@ _hook = RebalanceHookState("sglang", "SGLang", "SGLang's own EPLB algorithm", lo
 
 def register(environ=os.environ) -> bool:
     """The entry point: register the hook when MOEWATCH_EPLB is on; True when it is registered.
-    Idempotent; never raises (a bad setting or another interface leaves SGLang's algorithm)."""
+    Idempotent; never raises (a bad setting or another interface leaves SGLang's algorithm).
+    It also registers, when moewatch observes, the routed counts under DeepEP (sglang_routed.py),
+    which must be in place before SGLang captures its CUDA graphs, as only a plugin is."""
+    sglang_routed.register(environ)
     return _hook.install_from_env(environ, _import_eplb, lambda modules: interface_problem(*modules[:2]), _attach)
 
 

@@ -55,7 +55,7 @@ import torch
 from moewatch import wire
 from moewatch.telemetry import Window, WindowError
 
-from . import sglang_eplb, sglang_layout
+from . import sglang_eplb, sglang_layout, sglang_routed
 from .common import Sink, env_sinks, logical_window
 
 log = logging.getLogger("moewatch.runtime.engines.sglang")
@@ -344,7 +344,8 @@ class RecorderTap:
             result = original(forward_pass_id, gatherer_key, single_pass_data, outputs)
             if gatherer_key == primary and not state["broken"] and not state["drafter"]:
                 try:
-                    on_pass(single_pass_data["global_physical_count"])
+                    routed = single_pass_data.get(sglang_routed.ROUTED_KEY)  # DeepEP: what this rank routed
+                    on_pass(single_pass_data["global_physical_count"] if routed is None else routed)
                 except Exception as exc:  # never into SGLang's forward pass
                     state["broken"] = True
                     log.warning("moewatch: counting through SGLang's recorder failed, counting stops: %s", exc)

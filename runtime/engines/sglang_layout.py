@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from . import sglang_routed
+
 # Top-k formats that carry no expert ids: the MoE kernel routes from the logits itself, so neither a
 # forward hook nor SGLang's recorder sees what it chose.
 IDS_FREE_BACKENDS = {
@@ -53,6 +55,7 @@ class SGLangLayout:
     accumulator: str  # class name of the recorder's accumulator ("" without a recorder)
     gatherer: str  # class name of its primary single-pass gatherer
     bounded_buffer: bool  # the stat accumulator keeps a circular buffer (not -1: unbounded)
+    routed_counts: bool  # the gatherer also counts this rank's routed pairs (sglang_routed.py)
     cuda_graphs: bool  # some forward passes replay CUDA graphs
     two_batch_overlap: bool
     runner_backend: str
@@ -115,7 +118,7 @@ def decide(layout: SGLangLayout, *, num_layers: int, num_slots: int, ep_size: in
         start = False
     rpn = layout.moe_ep_size // layout.nnodes if layout.nnodes > 1 and layout.moe_ep_size % layout.nnodes == 0 \
         else layout.moe_ep_size
-    received = use_recorder and layout.gatherer in RECEIVED_COUNT_GATHERERS
+    received = use_recorder and layout.gatherer in RECEIVED_COUNT_GATHERERS and not layout.routed_counts
     common = dict(use_recorder=use_recorder, start_recording=start, ranks_per_node=rpn, counts_received=received)
     if not layout.moe_input_scattered:
         return Decision(reports=layout.tp_rank == 0 or (layout.tp_rank < 0 and layout.tp_size == 1), **common)
@@ -159,6 +162,7 @@ def read_layout() -> SGLangLayout:
         accumulator=type(accumulator).__name__ if real else "",
         gatherer=type(gatherer).__name__ if gatherer is not None else "",
         bounded_buffer=isinstance(buffer, expert_distribution._CircularBuffer),
+        routed_counts=getattr(gatherer, sglang_routed.BUFFER, None) is not None,
         cuda_graphs=not graph.disable_cuda_graph and not (graph.disable_decode_cuda_graph
                                                           and graph.disable_prefill_cuda_graph),
         two_batch_overlap=bool(get_exec().overlap.enable_two_batch_overlap),

@@ -88,7 +88,9 @@ def main() -> None:
     load_plugins()
     target = "sglang.srt.eplb.eplb_algorithms.rebalance_experts"
     out: dict = {"hooked": target in HookRegistry._patched,
-                 "wrapped": hasattr(eplb_algorithms.rebalance_experts, "__wrapped__"), "warnings": records.messages}
+                 "wrapped": hasattr(eplb_algorithms.rebalance_experts, "__wrapped__"), "warnings": records.messages,
+                 "gatherer_hooks": sorted(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1]
+                                          for t in HookRegistry._patched if "SinglePassGatherer" in t)}
     if case == "all":
         import torch
 

@@ -264,7 +264,7 @@ def layout(**changes):
     from moewatch.runtime.engines.sglang_layout import SGLangLayout
 
     base = dict(version="0.5.23", recorder_mode="stat", recording=True, accumulator="_StatAccumulator",
-                gatherer="_SelectExpertsSinglePassGatherer", bounded_buffer=True, cuda_graphs=True,
+                gatherer="_SelectExpertsSinglePassGatherer", bounded_buffer=True, routed_counts=False, cuda_graphs=True,
                 two_batch_overlap=False, runner_backend="deep_gemm", moe_input_scattered=True, tp_rank=3, tp_size=8,
                 pp_size=1, nnodes=2, attn_dp_rank=3, attn_dp_size=8, attn_tp_size=1, moe_ep_rank=3, moe_ep_size=8)
     return SGLangLayout(**{**base, **changes})
@@ -322,3 +322,70 @@ def test_a_speculative_drafters_passes_are_not_steps_of_the_model(monkeypatch, m
                     pass
         window = made[0].flush()
     assert window.steps == 2 and np.array_equal(window.slot_tokens, recount(seen))
+
+
+@pytest.fixture
+def routed_counts_plugin():
+    """sglang_routed's hooks registered and applied by SGLang's HookRegistry, as its plugin loader does;
+    SGLang's gatherer classes restored after."""
+    from sglang.srt.eplb import expert_distribution as ed
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from moewatch.runtime.engines import sglang_routed
+
+    saved = {name: dict(vars(getattr(ed, name))) for name in sglang_routed.GATHERERS}
+    hooks_before = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    patched_before = set(HookRegistry._patched)
+    assert sglang_routed.register({"MOEWATCH_WINDOW_DIR": "/nonexistent"}) is True
+    HookRegistry.apply_hooks()
+    yield
+    for name, attrs in saved.items():
+        cls = getattr(ed, name)
+        for attr in ("__init__", "on_select_experts", "reset", "collect"):
+            if attr in attrs:
+                setattr(cls, attr, attrs[attr])
+            elif attr in vars(cls):
+                delattr(cls, attr)
+    HookRegistry._hooks.clear()
+    HookRegistry._hooks.update(hooks_before)
+    HookRegistry._patched.clear()
+    HookRegistry._patched.update(patched_before)
+
+
+DEEPEP_LL = {**DEEPEP_DP, "deepep_mode": "low_latency"}
+
+
+@pytest.mark.parametrize("plugin", [True, False])
+def test_under_deepep_low_latency_a_shard_counts_what_its_rank_routed(monkeypatch, made, request, plugin):
+    """SGLang's _DeepepLowLatencySinglePassGatherer counts what this rank's slots received
+    (`on_deepep_dispatch_low_latency`, as DeepEP's dispatch reports it); with moewatch's SGLang plugin
+    its `on_select_experts` (called by select_experts with this rank's ids) also counts what this
+    rank's tokens routed, which the shard carries. Without the plugin the shard says it carries
+    received counts."""
+    if plugin:
+        request.getfixturevalue("routed_counts_plugin")
+    pmap = torch.arange(8).remainder(E).repeat(L, 1)
+    ranks = {"tp_rank": 2, "attn_dp_rank": 2, "moe_ep_rank": 2}
+    with sglang_server.server(monkeypatch, ranks=ranks, recorder_pmap=pmap, recording=True,
+                              disable_cuda_graph=True, **DEEPEP_LL) as recorder:
+        assert type(recorder._single_pass_gatherers["primary"]).__name__ == "_DeepepLowLatencySinglePassGatherer"
+        counter = sglang_hooks.topk_counter({**hook_specs()[0]["config"], "num_slots": 8, "ep_size": 4})
+        made.append(counter)
+        routed_ids = torch.tensor([[0, 7], [7, 3], [-1, -1]])  # this rank's tokens (a padded row)
+        received = torch.tensor([5, 1])  # pairs rank 2's two slots (4, 5) got from every rank
+        for _ in range(2):
+            with recorder.with_forward_pass(0, types.SimpleNamespace()):
+                with recorder.with_current_layer(1):
+                    recorder.on_select_experts(routed_ids)
+                    recorder.on_deepep_dispatch_low_latency(received)
+        window = counter.flush(sequence=7)
+        recorder._accumulator._first_dump = False
+        sglangs_own = recorder.dump_record(output_mode="object")["logical_count"].sum(dim=0)
+    if plugin:
+        assert window.slot_tokens[1].tolist() == [2, 0, 0, 2, 0, 0, 0, 4]
+        assert window.extra["source"]["counts"] == "routed"
+    else:
+        assert window.slot_tokens[1].tolist() == [0, 0, 0, 0, 10, 2, 0, 0]
+        assert window.extra["source"]["counts"] == "received"
+    assert sglangs_own[1].tolist() == [10, 2, 0, 0]  # SGLang's own counts stay what it received
+    assert window.extra["shard"] == {"index": 2, "count": 4, "rank": 2, "sequence": 7}

@@ -64,7 +64,17 @@ def test_an_internal_error_returns_sglangs_own_result_counted_and_logged_once(in
 @pytest.mark.slow
 def test_switched_off_nothing_is_registered():
     out = run_case("off")
-    assert out["hooked"] is False and out["wrapped"] is False
+    assert out["hooked"] is False and out["wrapped"] is False and out["gatherer_hooks"] == []
+
+
+@pytest.mark.slow
+def test_observing_the_same_entry_point_gives_deepeps_gatherers_routed_counts(tmp_path):
+    """sglang_routed.py's hooks, applied by SGLang's plugin loader before any model runner exists."""
+    out = run_case("off", MOEWATCH_WINDOW_DIR=str(tmp_path))
+    assert out["hooked"] is False  # no MOEWATCH_EPLB: SGLang's own rebalance algorithm
+    methods = ("__init__", "collect", "on_select_experts", "reset")
+    assert out["gatherer_hooks"] == sorted(f"{g}.{m}" for g in ("_DeepepLowLatencySinglePassGatherer",
+                                                                "_DeepepNormalSinglePassGatherer") for m in methods)
 
 
 @pytest.mark.slow
