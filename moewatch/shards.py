@@ -151,8 +151,10 @@ def _summed(shards: Sequence[Window], name: str) -> np.ndarray | None:
 
 
 def _step_data(shards: Sequence[Window]) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """([S] step seconds: each step's slowest shard, [S] tokens summed per step) when every shard has
-    the same steps and carries them; None for either otherwise."""
+    """([S] step seconds: each step's slowest shard, [S] tokens summed per step) when every shard that
+    ran steps has the same steps and carries them (a shard of no steps, an idle rank's, adds none);
+    None for either otherwise."""
+    shards = [w for w in shards if w.steps > 0] or list(shards)
     if len({w.steps for w in shards}) != 1:
         return None, None
     seconds = [w.step_seconds for w in shards]
@@ -207,8 +209,8 @@ def merge_shards(shards: Sequence[Window], missing: Iterable[int] = (), refused:
     shard's source rank and its slot counts (`source_slot_tokens`); absent when a shard has neither.
     Timings [L, W] are taken per column from the shard that routed that rank, and are absent unless
     the shards cover every rank (a rank nobody measured is unknown, not idle). start = min, end =
-    max, steps = max; step seconds per step the slowest shard and step tokens summed, when all have
-    the same steps; each rank's own step seconds under extra.rank_step_seconds. The window names its
+    max, steps = max; step seconds per step the slowest shard and step tokens summed, when all that
+    ran steps have the same steps; each rank's own step seconds under extra.rank_step_seconds. The window names its
     shards under extra.shards (count, received, missing, refused); other extra keys come from the
     lowest shard, the all-to-all step total (extra.a2a_step_seconds) is the mean of the shards'.
     Raises ValueError for shards that are not one agreeing set, WindowError if the result breaks an

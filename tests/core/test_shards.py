@@ -213,6 +213,12 @@ def test_step_data_is_merged_only_when_the_shards_have_the_same_steps():
     assert "steps" in uneven.missing_evidence
     assert [len(x) for x in uneven.extra["rank_step_seconds"]] == [3, 3, 3, 4]
     assert uneven.start_time == min(s.start_time for s in shards)
+    # A rank that ran no steps in the window (an idle DP rank's empty shard) adds no step data.
+    idle = shards[3].replace(steps=0, step_seconds=np.zeros(0), step_tokens=np.zeros(0, np.int64))
+    with_idle = sh.merge_shards(shards[:3] + [idle])
+    assert with_idle.steps == 3
+    np.testing.assert_array_equal(with_idle.step_seconds, STEP_SECONDS[:3].max(axis=0))
+    np.testing.assert_array_equal(with_idle.step_tokens, STEP_TOKENS[:3].sum(axis=0))
 
 
 def test_time_span_is_the_union_of_the_shards():
