@@ -19,6 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moewatch.shards import merge_sequence
+from moewatch.telemetry import Window, validate
+
 REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 DRIVER = Path(__file__).parent / "vllm_layout_driver.py"
@@ -61,6 +64,16 @@ def check_one_window_of_shards(case: dict, *, count: int, world_size: int) -> No
     assert {(w["ep_group"], w["world_size"], w["ranks_per_node"]) for w in shards} == {("ep0", world_size, world_size)}
     total = np.sum([w["expert_tokens"] for w in shards], axis=0)[0]
     np.testing.assert_array_equal(total, case["expected"])
+    # The agent's merge: one valid window of the group, its counts the same histogram, and its
+    # rank-to-rank traffic built with each shard's pairs in its source rank's row.
+    merged, refused = merge_sequence([Window.from_json(w["json"]) for w in shards])
+    assert refused == [] and merged.shards_report.missing == ()
+    validate(merged)
+    np.testing.assert_array_equal(merged.expert_tokens[0], case["expected"])
+    sent_by_rank = np.zeros(world_size, dtype=np.int64)
+    for w in shards:
+        sent_by_rank[w["shard"]["rank"]] += int(np.sum(w["expert_tokens"]))
+    np.testing.assert_array_equal(merged.traffic[0].sum(axis=1), sent_by_rank)
 
 
 @pytest.mark.slow

@@ -153,7 +153,7 @@ class Process:
                 "windows": [{"expert_tokens": w.expert_tokens.tolist(), "ep_group": w.ep_group,
                              "world_size": w.world_size, "ranks_per_node": w.ranks_per_node,
                              "steps": w.steps, "step_tokens": w.step_tokens.tolist(),
-                             "shard": w.extra.get("shard")} for w in self.windows]}
+                             "shard": w.extra.get("shard"), "json": w.to_json()} for w in self.windows]}
 
 
 class _all:
