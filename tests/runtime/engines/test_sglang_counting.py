@@ -223,6 +223,15 @@ def test_dp_attention_with_deepep_every_rank_sends_its_shard_of_one_window(monke
     assert shards == [{"index": r, "count": 4, "rank": r, "sequence": 41} for r in range(4)]
     assert all(w.ep_group == "ep0" and w.world_size == 4 for w in windows)  # the group's, not a rank's
     assert [int(w.slot_tokens[1, r]) for r, w in enumerate(windows)] == [K * (r + 1) for r in range(4)]
+    # As the agent merges them (moewatch.shards.merge_sequence): one window of the group's pairs,
+    # each rank's pairs in its own row of the traffic (rank r's tokens to slot r, on rank r // 2).
+    from moewatch.shards import merge_sequence
+
+    merged, refused = merge_sequence(windows)
+    assert not refused and merged.extra["shards"]["missing"] == []
+    assert merged.slot_tokens[1, :4].tolist() == [K * (r + 1) for r in range(4)] and merged.steps == 1
+    assert [merged.traffic[1, r].tolist() for r in range(4)] == [
+        [K * (r + 1) if dest == r // 2 else 0 for dest in range(4)] for r in range(4)]
 
 
 def test_dp_attention_without_an_all_to_all_backend_reports_once_for_the_group(monkeypatch, made):
