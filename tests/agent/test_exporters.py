@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import numpy as np
@@ -35,6 +36,14 @@ def drive(daemon, helpers, n_windows=3):
     assert helpers.wait_for(lambda: len(group.history) == len(names))
     # The malformed frame is counted by the receiver on its own thread: wait for it too.
     assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_frames_rejected_total", ("malformed",)) == 1)
+    # One DP rank's process of a sharded group says hello: the shard merge's series start at 0.
+    dp = helpers.FakeRuntime(daemon.cfg.server.socket, world_size=4, num_layers=4, num_experts=16, num_slots=16,
+                             model="example", ep_group="example-dp", capabilities=())
+    dp.hello = dataclasses.replace(dp.hello, shard_index=0, shard_count=2)
+    dp.connect()
+    assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_shard_sequences_pending", ("example", "example-dp"))
+                            == 0)
+    rt.shard_process = dp  # kept open with the runtime
     return rt
 
 
