@@ -303,6 +303,9 @@ class Daemon:
             if (msg.model, msg.ep_group) != group.key:
                 return "mismatch"
             if msg.shard is not None:
+                hello = conn.hello
+                if hello.sharded and (msg.shard.index, msg.shard.count) != (hello.shard_index, hello.shard_count):
+                    return "mismatch"  # a shard's connection speaks for its own shard only
                 self.shards.offer(msg)  # merged with its sequence's other shards, then accepted
                 return None
             return group.accept_window(msg)

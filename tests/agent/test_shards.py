@@ -387,3 +387,20 @@ def test_the_deadline_settings_are_checked_at_the_edge_naming_the_field():
         with pytest.raises(ConfigError, match=f"limits.{name}"):
             limits(**{name: value})
     assert limits(shard_deadline_windows=2.0, shard_min_deadline_seconds=1.0).shard_deadline_seconds(3.0) == 6.0
+
+
+def test_a_shards_connection_sends_its_own_shard_only(start_agent, helpers):
+    """A window naming another shard index (or count) than its connection's hello is a mismatch: a
+    connection speaks for one shard, so one process cannot fill a sequence alone."""
+    daemon = start_agent()
+    process = ShardProcess(0, path=daemon.cfg.server.socket)
+    try:
+        assert helpers.wait_for(lambda: len(daemon._connections) == 1)
+        process.send(shard(1, 0))
+        process.send(shard(0, 0, count=2))
+        assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_frames_rejected_total", ("mismatch",)) == 2)
+        process.send(shard(0, 0))
+        assert helpers.wait_for(lambda: daemon.shards.status(GROUP) is not None
+                                and daemon.shards.status(GROUP)["pending_sequences"] == [0])
+    finally:
+        process.close()
