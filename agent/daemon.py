@@ -25,6 +25,7 @@ from moewatch.errors import InputError
 from moewatch.integrations import registry
 from moewatch.integrations.base import Source
 from moewatch.plan import Plan
+from moewatch.planner import mending_compiled
 from moewatch.telemetry import Window
 from moewatch.triage import diagnose
 from moewatch.wire import Ack, Heartbeat, Hello
@@ -202,6 +203,8 @@ class Daemon:
         self.health.readiness["audit_log"] = lambda: Check("audit_log", self.audit.writable(), str(cfg.log.audit_log))
         self._ack_thread = threading.Thread(target=self._ack_loop, name="moewatch-acks", daemon=True)
         self._ack_thread.start()
+        if cfg.policy.mode != "observe":  # numba compiles the planner's loops on first use: here, not in a plan
+            threading.Thread(target=self._warm_up_planner, name="moewatch-planner-warm-up", daemon=True).start()
         self.jobs.add("triage", self.triage_job, cfg.jobs.triage_interval_seconds)
         self.jobs.add("plan", self.plan_job, cfg.jobs.plan_interval_seconds)
         self.jobs.add("export", self.export_job, cfg.jobs.export_interval_seconds)
@@ -534,6 +537,13 @@ class Daemon:
             log.warning("engine rebalance made layers %s of %s/%s worse (measured balancedness %s -> %s)",
                         verdict["layers_worse"], *group.key, verdict["balancedness_before"],
                         verdict["balancedness_after"])
+
+    @staticmethod
+    def _warm_up_planner() -> None:
+        try:
+            log.info("planner: %s", mending_compiled.warm_up_packing())
+        except Exception:  # a warm-up never stops the agent: the first plan compiles instead
+            log.exception("planner warm-up failed")
 
     def _poll_source(self, source: Source, ingest: Callable[[Window], str | None]) -> None:
         """One poll of a source; then what it knows of each group beside the windows (an engine's SLO

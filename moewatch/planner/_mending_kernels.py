@@ -298,3 +298,209 @@ def mend_counts(load, row, num_gpus, heaviest_allowed, budget):
                 break
     return changes
 
+
+
+@njit
+def lpt_assign(scaled, expert_rows, num_gpus, num_nodes, slots_per_gpu, num_expert_rows):
+    # packing.lpt_pack's loop, one layer at a time: replica k of each layer (heaviest first) to the
+    # GPU with the least key + penalty (the first on ties); scaled, expert_rows: [P, L] -> [P, L] GPUs
+    P, L = scaled.shape
+    W = num_gpus
+    G = W // num_nodes
+    key = np.zeros((L, W))
+    fill = np.zeros((L, W), dtype=np.int64)
+    penalty = np.zeros((num_expert_rows, W))
+    flag = 3.0 if num_nodes > 1 else 2.0
+    out = np.empty((P, L), dtype=np.int64)
+    for k in range(P):
+        for layer in range(L):
+            le = expert_rows[k, layer]
+            best = 0
+            best_value = penalty[le, 0] + key[layer, 0]
+            for g in range(1, W):
+                value = penalty[le, g] + key[layer, g]
+                if value < best_value:
+                    best_value = value
+                    best = g
+            out[k, layer] = best
+            filled = fill[layer, best] + 1
+            fill[layer, best] = filled
+            key[layer, best] += scaled[k, layer] + (4.0 if filled == slots_per_gpu else 0.0)
+            if num_nodes > 1:
+                first = (best // G) * G
+                for g in range(first, first + G):
+                    if penalty[le, g] < 1.0:
+                        penalty[le, g] = 1.0
+            penalty[le, best] = flag
+    return out
+
+
+@njit
+def pair_round(bins, weights, gpu_count, node_count, node_of_gpu, layers, offset, tol):
+    # packing._SwapState.pair_round, layer by layer: the best swap inside each (i-th busiest,
+    # (i + offset)-th idlest) GPU pair, every pair judged on the state before the round; node_count
+    # has no rows when there is one node. bins, weights: [L, W, S] -> [A] whether each layer changed
+    A = layers.shape[0]
+    W, S = bins.shape[1], bins.shape[2]
+    K = W // 2
+    nodes = node_count.shape[0] > 0
+    changed = np.zeros(A, dtype=np.bool_)
+    loads = np.empty(W)
+    row = np.empty(S)
+    heavy = np.empty(K, dtype=np.int64)
+    light = np.empty(K, dtype=np.int64)
+    swap_a = np.empty(K, dtype=np.int64)
+    swap_b = np.empty(K, dtype=np.int64)
+    take = np.zeros(K, dtype=np.bool_)
+    forbid_a = np.empty(S)
+    forbid_b = np.empty(S)
+    for i in range(A):
+        layer = layers[i]
+        for g in range(W):
+            for s in range(S):
+                row[s] = weights[layer, g, s]
+            loads[g] = numpy_sum(row)
+        order = np.argsort(-loads, kind="mergesort")
+        for j in range(K):
+            heavy[j] = order[j]
+            light[j] = order[W - 1 - (j + offset) % K]
+        for j in range(K):
+            p, q = heavy[j], light[j]
+            load_p = loads[p]
+            gap = load_p - loads[q]
+            cross = nodes and node_of_gpu[p] != node_of_gpu[q]
+            for s in range(S):
+                bad = gpu_count[layer, bins[layer, p, s], q] > 0
+                if cross and node_count[layer, bins[layer, p, s], node_of_gpu[q]] > 0:
+                    bad = True
+                forbid_a[s] = -np.inf if bad else 0.0
+                bad = gpu_count[layer, bins[layer, q, s], p] > 0
+                if cross and node_count[layer, bins[layer, q, s], node_of_gpu[p]] > 0:
+                    bad = True
+                forbid_b[s] = -np.inf if bad else 0.0
+            best = -np.inf
+            best_a = 0
+            best_b = 0
+            first = True
+            for a in range(S):
+                for b in range(S):
+                    d = weights[layer, p, a] - weights[layer, q, b]
+                    other = gap - d
+                    gain = d if d <= other else other
+                    gain += forbid_a[a]
+                    gain += forbid_b[b]
+                    if first or gain > best:
+                        best, best_a, best_b, first = gain, a, b, False
+            swap_a[j], swap_b[j] = best_a, best_b
+            take[j] = best > tol * max(load_p, 1.0)
+        for j in range(K):
+            if not take[j]:
+                continue
+            changed[i] = True
+            p, q, a, b = heavy[j], light[j], swap_a[j], swap_b[j]
+            ea, eb = bins[layer, p, a], bins[layer, q, b]
+            wa, wb = weights[layer, p, a], weights[layer, q, b]
+            bins[layer, p, a], bins[layer, q, b] = eb, ea
+            weights[layer, p, a], weights[layer, q, b] = wb, wa
+            gpu_count[layer, ea, p] -= 1
+            gpu_count[layer, ea, q] += 1
+            gpu_count[layer, eb, q] -= 1
+            gpu_count[layer, eb, p] += 1
+            if nodes:
+                n_p, n_q = node_of_gpu[p], node_of_gpu[q]
+                node_count[layer, ea, n_p] -= 1
+                node_count[layer, ea, n_q] += 1
+                node_count[layer, eb, n_q] -= 1
+                node_count[layer, eb, n_p] += 1
+    return changed
+
+
+@njit
+def _top_swap_layer(bins, weights, gpu_count, node_count, node_of_gpu, layer, partners, loads, tol):
+    # packing._SwapState._top_swap for one layer: the best swap of a replica on the busiest GPU with
+    # one on a GPU in `partners` [K] (s, then partner, then t: the first maximum); True when made
+    W, S = bins.shape[1], bins.shape[2]
+    K = partners.shape[0]
+    nodes = node_count.shape[0] > 0
+    h = 0
+    for g in range(1, W):
+        if loads[g] > loads[h]:
+            h = g
+    top = loads[h]
+    n_h = node_of_gpu[h]
+    forbid_a = np.empty((S, K))
+    forbid_b = np.empty((K, S))
+    for k in range(K):
+        j = partners[k]
+        other = nodes and node_of_gpu[j] != n_h
+        for s in range(S):
+            e = bins[layer, h, s]
+            bad = gpu_count[layer, e, j] > 0
+            if other and node_count[layer, e, n_h] == 1 and node_count[layer, e, node_of_gpu[j]] > 0:
+                bad = True
+            forbid_a[s, k] = -np.inf if bad else 0.0
+            e = bins[layer, j, s]
+            bad = gpu_count[layer, e, h] > 0
+            if other and node_count[layer, e, node_of_gpu[j]] == 1 and node_count[layer, e, n_h] > 0:
+                bad = True
+            forbid_b[k, s] = -np.inf if bad else 0.0
+    best = -np.inf
+    best_s, best_k, best_t = 0, 0, 0
+    first = True
+    for s in range(S):
+        for k in range(K):
+            j = partners[k]
+            gap = top - loads[j]
+            for t in range(S):
+                d = weights[layer, h, s] - weights[layer, j, t]
+                other_side = gap - d
+                gain = d if d <= other_side else other_side
+                gain += forbid_a[s, k]
+                gain += forbid_b[k, t]
+                if first or gain > best:
+                    best, best_s, best_k, best_t, first = gain, s, k, t, False
+    if not best > tol * max(top, 1.0):
+        return False
+    j = partners[best_k]
+    ea, eb = bins[layer, h, best_s], bins[layer, j, best_t]
+    wa, wb = weights[layer, h, best_s], weights[layer, j, best_t]
+    bins[layer, h, best_s], bins[layer, j, best_t] = eb, ea
+    weights[layer, h, best_s], weights[layer, j, best_t] = wb, wa
+    gpu_count[layer, ea, h] -= 1
+    gpu_count[layer, ea, j] += 1
+    gpu_count[layer, eb, j] -= 1
+    gpu_count[layer, eb, h] += 1
+    if nodes:
+        n_j = node_of_gpu[j]
+        node_count[layer, ea, n_h] -= 1
+        node_count[layer, ea, n_j] += 1
+        node_count[layer, eb, n_j] -= 1
+        node_count[layer, eb, n_h] += 1
+    return True
+
+
+@njit
+def top_round(bins, weights, gpu_count, node_count, node_of_gpu, layers, idlest, tol):
+    # packing._SwapState.top_round, layer by layer: the best swap off the busiest GPU with one of the
+    # `idlest` GPUs (none when idlest >= W), else with any GPU -> [A] 1 (changed with the idlest),
+    # 2 (changed with any GPU) or 0
+    A = layers.shape[0]
+    W, S = bins.shape[1], bins.shape[2]
+    out = np.zeros(A, dtype=np.int64)
+    loads = np.empty(W)
+    row = np.empty(S)
+    everyone = np.arange(W)
+    for i in range(A):
+        layer = layers[i]
+        for g in range(W):
+            for s in range(S):
+                row[s] = weights[layer, g, s]
+            loads[g] = numpy_sum(row)
+        if idlest < W:
+            partners = np.argsort(loads, kind="mergesort")[:idlest]
+            if _top_swap_layer(bins, weights, gpu_count, node_count, node_of_gpu, layer, partners, loads, tol):
+                out[i] = 1
+                continue
+        if _top_swap_layer(bins, weights, gpu_count, node_count, node_of_gpu, layer, everyone, loads, tol):
+            out[i] = 2
+    return out

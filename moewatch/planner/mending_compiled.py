@@ -1,5 +1,6 @@
-"""The mending's two loops (incremental.py: replica counts, then swaps), compiled with numba where it
-is installed.
+"""The mending's two loops (incremental.py: replica counts, then swaps), and the packing's greedy
+loop and swap rounds (packing.lpt_pack, packing._SwapState.pair_round and top_round, behind every
+solve_placement), compiled with numba where it is installed.
 
 An engine calls its rebalancing policy inside a budget of tens of milliseconds. The numpy loops in
 incremental._mend_counts and _swap_down spend most of a call on the fixed cost of their array
@@ -43,6 +44,9 @@ class Kernel:
 
     mend_counts: Callable
     swap_down: Callable
+    lpt_assign: Callable  # packing.lpt_pack's loop
+    pair_round: Callable  # packing._SwapState.pair_round
+    top_round: Callable  # packing._SwapState.top_round
 
 
 def kernel() -> Kernel | None:
@@ -73,7 +77,22 @@ def unavailable_reason() -> str | None:
 def _build() -> Kernel:
     from . import _mending_kernels as kernels
 
-    return Kernel(mend_counts=kernels.mend_counts, swap_down=kernels.swap_down)
+    return Kernel(mend_counts=kernels.mend_counts, swap_down=kernels.swap_down, lpt_assign=kernels.lpt_assign,
+                  pair_round=kernels.pair_round, top_round=kernels.top_round)
+
+
+def warm_up_packing() -> str:
+    """Compile the packing's loops now rather than in the first solve_placement (the agent's first
+    plan), by solving a small placement on two nodes with replicas; -> a line for the log. Call it off
+    the caller's path (a thread)."""
+    import numpy as np
+
+    from .solve import solve_placement
+
+    if kernel() is None:
+        return f"the packing runs numpy's loops: {unavailable_reason()}"
+    solve_placement(np.array([[5.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]] * 2), 4, 12, 2)
+    return "the packing runs compiled"
 
 
 def warm_up() -> str:

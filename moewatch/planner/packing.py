@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .mending_compiled import kernel
 from .placement_math import holders, replica_counts_of
 
 # Candidate swaps are evaluated [layers, S, W, S] at a time; keep one block under this many.
@@ -69,27 +70,37 @@ def lpt_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int, num_nodes: int
     # Flat arrays and row gathers: this loop runs P times, so each numpy call counts.
     scaled = (weights / (total * (1.0 + 1e-9) + 1.0)[:, None]).T.copy()  # [P, L]
     expert_rows = (items + (rows * E)[:, None]).T.copy()  # [P, L] row of (layer, expert)
+    compiled = kernel()
+    if compiled is not None:  # the same loop compiled (mending_compiled.py): the same placement
+        gpu_of_item = compiled.lpt_assign(scaled, expert_rows, W, num_nodes, S, L * E)
+        order = np.argsort(gpu_of_item.T, axis=1, kind="stable")
+        return np.take_along_axis(items, order, axis=1)
     key = np.zeros(L * W)
+    key2d = key.reshape(L, W)
     fill = np.zeros(L * W, dtype=np.int64)
-    on_gpu = np.zeros((L * E, W))
-    on_node = np.zeros((L * E, num_nodes))
+    # penalty[(l, e), g]: 2 when GPU g holds expert e of layer l, + 1 when its node does (one gather
+    # per replica instead of one per flag; a GPU that holds the expert is on a node that does).
+    penalty = np.zeros((L * E, W))
+    by_node = penalty.reshape(L * E, num_nodes, G)
+    flag = 3.0 if num_nodes > 1 else 2.0
     node_of_gpu = np.arange(W) // G
     row_start = rows * W
     gpu_of_item = np.empty((P, L), dtype=np.int64)
     for k in range(P):
         le = expert_rows[k]
-        pen = on_gpu.take(le, axis=0)
-        if num_nodes > 1:
-            pen += on_node.take(le, axis=0)[:, node_of_gpu]
-        gpu = np.argmin(key.reshape(L, W) + pen, axis=1)
+        pen = penalty.take(le, axis=0)
+        pen += key2d
+        gpu = np.argmin(pen, axis=1)
         gpu_of_item[k] = gpu
         at = row_start + gpu
         filled = fill[at] + 1
         fill[at] = filled
         key[at] += scaled[k] + 4.0 * (filled == S)
-        on_gpu.ravel()[le * W + gpu] = 2.0
         if num_nodes > 1:
-            on_node.ravel()[le * num_nodes + node_of_gpu[gpu]] = 1.0
+            node = by_node[le, node_of_gpu[gpu]]  # [L, G]
+            np.maximum(node, 1.0, out=node)
+            by_node[le, node_of_gpu[gpu]] = node
+        penalty.ravel()[le * W + gpu] = flag
     # Each GPU's S replicas fill its slots in the order they arrived.
     order = np.argsort(gpu_of_item.T, axis=1, kind="stable")
     return np.take_along_axis(items, order, axis=1)
@@ -179,6 +190,11 @@ class _SwapState:
 
         Several swaps land at once, so a replica may cross nodes only towards a node that lacks
         its expert: then no node loses an expert it alone held."""
+        compiled = kernel()
+        if compiled is not None:  # the same round compiled (mending_compiled.py): the same swaps
+            node_count = self.node_count if self.node_count is not None else np.zeros((0, 1, 1), dtype=np.int64)
+            return layers[compiled.pair_round(self.bins, self.weights, self.gpu_count, node_count, self.node_of_gpu,
+                                              layers, offset, _TOL)]
         A, W, S = layers.size, self.W, self.S
         loads = self.weights[layers].sum(axis=2)
         order = np.argsort(-loads, axis=1, kind="stable")
@@ -211,8 +227,15 @@ class _SwapState:
         best swaps usually are), then, for layers where none of those helps, with every GPU;
         returns layers that changed."""
         W = self.W
-        loads = self.weights[layers].sum(axis=2)
         k = min(_TOP_PARTNERS, W)
+        compiled = kernel()
+        if compiled is not None:  # the same round compiled (mending_compiled.py): the same swaps
+            node_count = self.node_count if self.node_count is not None else np.zeros((0, 1, 1), dtype=np.int64)
+            how = compiled.top_round(self.bins, self.weights, self.gpu_count, node_count, self.node_of_gpu, layers,
+                                     k, _TOL)
+            # in numpy's order: those changed with the idlest, then the rest's (np.setdiff1d sorts them)
+            return np.concatenate([layers[how == 1], np.sort(layers[how == 2])]) if k < W else layers[how == 2]
+        loads = self.weights[layers].sum(axis=2)
         if k < W:
             idlest = np.argsort(loads, axis=1, kind="stable")[:, :k]
             changed = self._top_swap(layers, idlest)

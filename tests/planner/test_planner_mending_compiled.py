@@ -120,3 +120,37 @@ def test_the_engine_rebalances_are_the_same_at_the_benchmarks_shape(monkeypatch)
         maps[mode] = np.stack(out)
     np.testing.assert_array_equal(maps["1"], maps["0"])
     assert (maps["1"][1] != maps["1"][0]).any()  # the later windows moved something
+
+
+def _pack_both(monkeypatch, fn):
+    monkeypatch.setenv(mending_compiled.SWITCH, "0")
+    plain = fn()
+    monkeypatch.delenv(mending_compiled.SWITCH)
+    assert mending_compiled.kernel() is not None
+    return plain, fn()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_packings_compiled_loops_give_numpys_placements(monkeypatch, seed):
+    # lpt_pack's greedy and refine_by_swaps' paired and single rounds, with one node and several,
+    # ties in the loads, GPUs beyond and within the idlest eight, and the movement planner's options.
+    from moewatch.planner.packing import lpt_pack, pack, refine_by_swaps
+    from moewatch.planner.replicate import replica_counts
+
+    rng = np.random.default_rng(seed)
+    layers, experts = int(rng.integers(1, 7)), int(rng.choice([4, 8, 16, 32]))
+    gpus = int(rng.choice([2, 3, 4, 8, 16]))
+    nodes = int(rng.choice([n for n in (1, 2, 4) if gpus % n == 0]))
+    slots = (-(-experts // gpus) + int(rng.integers(0, 3))) * gpus
+    load = sample_load(popularity(str(rng.choice(["lognormal", "zipf", "hot"])), layers, experts, rng),
+                       int(rng.choice([40, 3000])), rng).astype(np.float64)
+    if seed % 4 == 0:
+        load = np.round(load / 10.0) * 10.0  # equal loads: ties broken alike
+    counts = replica_counts(load, slots)
+    start = lpt_pack(load, counts, gpus, nodes)
+    for fn in (lambda: lpt_pack(load, counts, gpus, nodes), lambda: pack(load, counts, gpus, nodes),
+               lambda: refine_by_swaps(load, start, gpus, nodes, pairs=False),
+               lambda: refine_by_swaps(load, start, gpus, nodes, layers=np.arange(0, layers, 2),
+                                       target_max=load.sum(axis=1) / gpus * 1.05)):
+        plain, compiled = _pack_both(monkeypatch, fn)
+        np.testing.assert_array_equal(compiled, plain)
