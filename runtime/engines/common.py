@@ -620,13 +620,14 @@ class EngineRecorder:
 Sink = Callable[[Window], object]
 
 
-def env_sinks(hello: Callable[[], wire.Hello],
-              environ: Mapping[str, str] | None = None) -> tuple[list[Sink], list[Callable[[], None]]]:
+def env_sinks(hello: Callable[[], wire.Hello], environ: Mapping[str, str] | None = None,
+              heartbeat: Callable[[], wire.Heartbeat] | None = None) -> tuple[list[Sink], list[Callable[[], None]]]:
     """(sinks, closers) from MOEWATCH_SOCKET / MOEWATCH_WINDOW_DIR, for an adapter that ends its
-    windows itself (the SGLang hook flushes on a timer); both empty when neither is set."""
+    windows itself (the SGLang hook flushes on a timer); both empty when neither is set.
+    `heartbeat`: what the socket's sender reports every second (WindowSinks)."""
     env = os.environ if environ is None else environ
     socket_path, folder = env.get(ENV_SOCKET) or None, env.get(ENV_WINDOW_DIR) or None
     if socket_path is None and folder is None:
         return [], []
-    sinks = WindowSinks(EngineSettings(socket=socket_path, window_dir=folder), hello)
+    sinks = WindowSinks(EngineSettings(socket=socket_path, window_dir=folder), hello, heartbeat=heartbeat)
     return [sinks], [sinks.close]

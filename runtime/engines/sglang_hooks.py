@@ -156,7 +156,7 @@ class TopKCounter:
         self._idless_layers: set = set()
         self._warned: set[str] = set()
         self.windows_built = 0
-        self.windows_invalid = 0
+        self._lost: dict[str, int] = {}  # windows lost by reason (wire.WINDOW_LOSS_REASONS)
         self._thread = None
         if start_thread:
             self._thread = threading.Thread(target=self._run, name="moewatch-sglang-flush", daemon=True)
@@ -238,31 +238,56 @@ class TopKCounter:
             return None
         self._active = steps > 0
         slots = delta[:, :P]
-        pmap = self.current_map()
-        expert = np.zeros((cfg.num_layers, cfg.num_experts), dtype=np.int64)
-        np.add.at(expert, (np.arange(cfg.num_layers)[:, None], pmap), slots)
         extra: dict[str, Any] = {"source": self._source(delta), **sglang_eplb.window_extra()}
         if self.shard is not None:
             bucket = sglang_layout.window_sequence(now, cfg.window_seconds) if sequence is None else sequence
             extra["shard"] = {**self.shard, "sequence": bucket}
         try:
+            pmap = self.current_map()
+            if pmap.shape != (cfg.num_layers, P) or pmap.min() < 0 or pmap.max() >= cfg.num_experts:
+                raise WindowError("physical_to_logical_map", f"the map in force, shape {list(pmap.shape)}, names "
+                                  f"experts outside [0, {cfg.num_experts}) or is not [{cfg.num_layers}, {P}]")
+            expert = np.zeros((cfg.num_layers, cfg.num_experts), dtype=np.int64)
+            np.add.at(expert, (np.arange(cfg.num_layers)[:, None], pmap), slots)
             window = logical_window(
                 runtime=RUNTIME, model=cfg.model, ep_group=self.ep_group, top_k=min(cfg.top_k, cfg.num_experts),
                 hidden_bytes=cfg.hidden_bytes, expert_tokens=expert, steps=steps, start_time=start, end_time=now,
                 world_size=cfg.ep_size, slot_tokens=slots, physical_to_logical_map=pmap, extra=extra)
             if self.ranks_per_node != window.ranks_per_node:
                 window = window.replace(ranks_per_node=self.ranks_per_node)
-        except WindowError as exc:  # never break serving over a window
-            self.windows_invalid += 1
-            self._warn_once(f"invalid:{getattr(exc, 'field', '')}", "moewatch: window not built: %s", exc)
+        except WindowError as exc:  # never break serving over a window: counted, logged once
+            self._count_lost("invalid", exc)
             return None
         self.windows_built += 1
         for sink in self.sinks:
             try:
                 sink(window)
             except Exception as exc:  # a full disk must not stop the engine
-                self._warn_once(f"sink:{type(exc).__name__}", "moewatch: sink failed: %s", exc)
+                self._count_lost("sink_error", exc)
         return window
+
+    def _count_lost(self, reason: str, exc: BaseException) -> None:
+        self._lost[reason] = self._lost.get(reason, 0) + 1
+        self._warn_once(f"lost:{reason}", "moewatch: a window was lost (%s: %s: %s); windows lost for this reason "
+                        "are counted (moewatch_runtime_windows_lost_total) and not logged again",
+                        reason, type(exc).__name__, exc)
+
+    def windows_lost(self) -> dict[str, int]:
+        """Windows lost so far in this process, by reason: the counter's own and its sender's."""
+        out = dict(self._lost)
+        for sender in self._senders():
+            for reason, count in dict(sender.stats.window_drops).items():
+                out[reason] = out.get(reason, 0) + count
+        return {reason: count for reason, count in out.items() if count}
+
+    def heartbeat(self) -> wire.Heartbeat:
+        """What the socket's sender reports every second: passes so far and the windows lost."""
+        return wire.Heartbeat(time=time.time(), epoch=0, step=self._passes,
+                              frames_dropped=sum(sender.stats.frames_dropped for sender in self._senders()),
+                              extra={"windows_lost": self.windows_lost()})
+
+    def _senders(self) -> list:
+        return [sink.sender for sink in self.sinks if getattr(sink, "sender", None) is not None]
 
     def _source(self, delta: np.ndarray) -> dict[str, Any]:
         if self.recorder is None:
@@ -303,7 +328,10 @@ class TopKCounter:
             boundary = (math.floor(now / seconds) + 1) * seconds
             if self._stop.wait(max(boundary - now, 0.0)):
                 return
-            self.flush(sequence=round(boundary / seconds) - 1)
+            try:
+                self.flush(sequence=round(boundary / seconds) - 1)
+            except Exception as exc:  # the timer goes on: the next window counts from the last read
+                self._count_lost("timer_error", exc)
 
     def close(self) -> None:
         global _process_counter
@@ -410,11 +438,14 @@ def topk_counter(config: Mapping[str, Any] | None) -> TopKCounter | None:
     if not decision.reports:
         return None
     rank = layout.moe_ep_rank if decision.shard is not None else max(layout.tp_rank, 0)
-    sinks, closers = env_sinks(lambda: _hello(cfg, cfg.ep_group, decision.ranks_per_node, decision.shard))
+    made: list[TopKCounter] = []
+    sinks, closers = env_sinks(lambda: _hello(cfg, cfg.ep_group, decision.ranks_per_node, decision.shard),
+                               heartbeat=lambda: made[0].heartbeat())
     if not sinks:
         return None
     counter = TopKCounter(cfg, sinks, rank=rank, closers=tuple(closers), shard=decision.shard,
                           ranks_per_node=decision.ranks_per_node, counts_received=decision.counts_received)
+    made.append(counter)
     if decision.use_recorder:
         counter.attach_recorder(recorder, start_recording=decision.start_recording)
     _process_counter = counter

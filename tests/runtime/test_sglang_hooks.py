@@ -195,3 +195,26 @@ def test_a_top_k_output_without_ids_is_warned_once_and_its_layers_named_in_the_w
     warned = [r.getMessage() for r in caplog.records if "carries no expert ids" in r.getMessage()]
     assert len(warned) == 1 and "BypassedTopKOutput" in warned[0], warned
     assert window.extra["source"]["layers_without_ids"] == [1] and window.slot_tokens[0].tolist() == [3, 3, 0, 0]
+
+
+def test_a_window_that_cannot_be_built_or_sent_is_counted_by_reason_and_logged_once(caplog):
+    caplog.set_level("WARNING", "moewatch.runtime.engines.sglang")
+
+    def full_disk(window):
+        raise OSError("No space left on device")
+
+    cfg = sglang_hooks.HookConfig.from_mapping({"num_layers": 1, "num_experts": 4, "window_seconds": 3600})
+    counter = sglang_hooks.TopKCounter(cfg, [full_disk], start_thread=False)
+    gate = Gate(0, [torch.tensor([[0, 1]])] * 4)
+    gate.register_forward_hook(counter)
+    for _ in range(2):
+        gate(torch.zeros(1, 4))
+        assert counter.flush() is not None
+    counter.current_map = lambda: np.full((1, 4), 7)  # a map in force naming no expert of the model
+    for _ in range(2):
+        gate(torch.zeros(1, 4))
+        assert counter.flush() is None
+    assert counter.windows_lost() == {"sink_error": 2, "invalid": 2}
+    assert counter.heartbeat().extra["windows_lost"] == {"sink_error": 2, "invalid": 2}
+    lost = [r.getMessage() for r in caplog.records if "a window was lost" in r.getMessage()]
+    assert len(lost) == 2 and "sink_error" in lost[0] and "invalid" in lost[1], lost
