@@ -83,20 +83,24 @@ class RebalanceHookState:
             self.logger.warning("moewatch: compiling the mending ahead failed (%s: %s); its first use compiles it",
                                 type(exc).__name__, exc)
 
-    def decided(self, decision: RebalanceDecision) -> None:
+    def decided(self, decision: RebalanceDecision, **identity: Any) -> None:
+        """A decision, recorded for the next window with `identity` (vLLM: the call's ordinal and
+        digest, vllm_eplb.py)."""
         self.last_decision = decision
-        self.records.append({"engine": self.engine, **decision.record()})
+        self.records.append({"engine": self.engine, **identity, **decision.record()})
 
-    def fell_back(self, exc: Exception) -> None:
+    def fell_back(self, exc: Exception, **identity: Any) -> None:
         """An error inside moewatch's answer: the engine's own algorithm answers instead. Logged the
-        first time, counted every time, and recorded for the next window."""
+        first time, counted every time, and recorded for the next window (with `identity`, as in
+        `decided`)."""
         self.fallbacks += 1
         if self.fallbacks == 1:
             self.logger.warning("moewatch: EPLB %s failed (%s: %s); %s answers this call and any later failure "
                                 "(counted, not logged again)", "policy" if self.engine == "vllm" else "hook",
                                 type(exc).__name__, exc, self.own_algorithm, exc_info=exc)
         self.last_decision = None
-        self.records.append({"engine": self.engine, "fallback": True, "error": f"{type(exc).__name__}: {exc}"})
+        self.records.append({"engine": self.engine, **identity, "fallback": True,
+                             "error": f"{type(exc).__name__}: {exc}"})
 
     def take_records(self) -> list[dict[str, Any]]:
         """The records of this process's calls since the last take (decisions and fallbacks), for the

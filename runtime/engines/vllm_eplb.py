@@ -11,15 +11,29 @@ node-aware when num_nodes > 1, and a per-layer cost gate; num_groups (group-limi
 used. Any error inside returns vLLM's own policy's result, counted and logged once: an exception
 would end vLLM's rebalancing thread for good.
 
+Ranks agree or the operator knows: every rank runs the policy on the same all-reduced load and the
+same map, and the answer depends on nothing rank-local (numba or its numpy twin give the same map,
+bit for bit; thread counts do not enter). Each reported call's record carries `call`, the ordinal of
+the policy's reported calls in this process (the same on every rank for the same rebalance, as every
+rank calls the policy in the same order), and `digest`, a hex digest over the call's inputs, the
+settings and the map returned (`call_digest`); the agent compares one call's digests across ranks.
+A rank that fell back to vLLM's policy returns another map, so its digest differs. A call with an
+all-zero load (the profile run's, which vLLM makes once at start to size its buffers, or a window
+with no tokens) keeps the map in force and is not reported: no record, no ordinal.
+
 The interface is checked when the plugin loads (the policy's signature, a "default" entry); when it
 differs, vLLM's policy is left alone with one warning naming the vLLM version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import itertools
+import json
 import logging
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -81,19 +95,61 @@ def make_policy(base: type, original: type, settings: RebalanceSettings) -> type
         @classmethod
         def rebalance_experts(cls, weight, num_replicas, num_groups, num_nodes, num_ranks,
                               old_global_expert_indices=None):
+            sizes = (num_replicas, num_groups, num_nodes, num_ranks)
             try:
                 decision = decide(weight, num_replicas, num_nodes, num_ranks, old_global_expert_indices, settings)
             except Exception as exc:  # never into vLLM's thread: its own policy's answer instead
-                _hook.fell_back(exc)
-                return original.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
-                                                  old_global_expert_indices)
-            _hook.decided(decision)
+                answer = original.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
+                                                    old_global_expert_indices)
+                identity = _reported_call(weight, sizes, old_global_expert_indices, settings, answer)
+                if identity is not None:
+                    _hook.fell_back(exc, **identity)
+                return answer
             import torch
 
-            return torch.from_numpy(np.ascontiguousarray(decision.physical_to_logical_map, dtype=np.int64))
+            answer = torch.from_numpy(np.ascontiguousarray(decision.physical_to_logical_map, dtype=np.int64))
+            identity = _reported_call(weight, sizes, old_global_expert_indices, settings, answer)
+            if identity is not None:
+                _hook.decided(decision, **identity)
+            return answer
 
     MoewatchEplbPolicy.__qualname__ = MoewatchEplbPolicy.__name__
     return MoewatchEplbPolicy
+
+
+_call_ordinals = itertools.count()
+_call_lock = threading.Lock()
+
+
+def _reported_call(weight, sizes, old_map, settings: RebalanceSettings, answer) -> dict[str, Any] | None:
+    """{"call", "digest"} of a call to report, or None for an all-zero load (not a rebalance: the
+    profile run's call, or a window without tokens), which takes no ordinal."""
+    load = _numpy(weight, np.float64)
+    if not load.any():
+        return None
+    digest = call_digest(load, sizes, None if old_map is None else _numpy(old_map, np.int64), settings,
+                         _numpy(answer, np.int64))
+    with _call_lock:  # vLLM's async mode calls from its own thread
+        return {"call": next(_call_ordinals), "digest": digest}
+
+
+def call_digest(load: np.ndarray, sizes, old_map: np.ndarray | None, settings: RebalanceSettings,
+                answer: np.ndarray) -> str:
+    """Hex digest (sha256, 16 characters) of one policy call: the load [L, E] as float64, the sizes
+    (num_replicas, num_groups, num_nodes, num_ranks), the map in force [L, P] or none, the settings
+    and the map returned [L, P'] as int64. Equal on two ranks exactly when they were asked the same
+    and answered the same."""
+    h = hashlib.sha256(b"moewatch.eplb-call/v1")
+    for array in (np.ascontiguousarray(load, dtype=np.float64), old_map, np.ascontiguousarray(answer, dtype=np.int64)):
+        if array is None:
+            h.update(b"none")
+            continue
+        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        h.update(repr((array.dtype.str, array.shape)).encode())
+        h.update(array.tobytes())
+    h.update(json.dumps([int(s) for s in sizes]).encode())
+    h.update(json.dumps(settings.to_dict(), sort_keys=True).encode())
+    return h.hexdigest()[:16]
 
 
 def decide(weight, num_replicas: int, num_nodes: int, num_ranks: int, old_map,

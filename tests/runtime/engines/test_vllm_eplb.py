@@ -1,7 +1,8 @@
 """moewatch's EPLB policy inside the installed vLLM (.venv-vllm): vLLM's own plugin loader puts it
 behind EPLB_POLICIES["default"] only with MOEWATCH_EPLB=1; its maps pass vLLM's compute_logical_maps
 and migration schedule; it is bit-identical across processes; an internal error gives vLLM's own
-answer; all-zero load keeps the map; another interface leaves vLLM's policy alone."""
+answer; all-zero load keeps the map; another interface leaves vLLM's policy alone; every reported
+call carries its ordinal and a digest that two ranks share exactly when they decided alike."""
 
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ def test_an_internal_error_returns_vllms_own_result_counted_and_logged_once(insi
     assert out["equal"] is True
     assert out["fallbacks"] == 2
     assert len(out["warnings"]) == 1, out["warnings"]
-    # every call left a record for the windows: the earlier cases' decisions, then the two fallbacks
-    assert out["records"] == ["decision"] * 6 + ["fallback"] * 2, out["records"]
+    # every call with load left a record for the windows: the earlier cases' decisions (the all-zero
+    # load of `idle` is no rebalance: no record), then the two fallbacks
+    assert out["records"] == ["decision"] * 5 + ["fallback"] * 2, out["records"]
 
 
 @pytest.mark.slow
@@ -90,3 +92,44 @@ def test_another_interface_leaves_vllms_policy_with_one_warning_naming_the_versi
     assert out["policy"] == "DefaultEplbPolicy"
     named = [w for w in out["warnings"] if "vLLM 0." in w and "own EPLB policy stays" in w]
     assert len(named) == 1, out["warnings"]
+
+
+@pytest.mark.slow
+def test_each_call_is_recorded_with_a_digest_every_rank_shares_numba_or_not_and_the_profile_call_is_not():
+    """Drives the policy vLLM's EplbState resolves from EPLB_POLICIES[EPLBConfig().policy] (moewatch's,
+    put there by vLLM's load_general_plugins) as EplbState.rearrange calls it: first the profile run's
+    call (rearrange(is_profile=True) hands it the load window before any step, all zeros; rearrange
+    itself cannot run on the CPU, it times with device events), then two production-shaped calls (61
+    layers x 256 experts, 320 slots, 64 ranks, 8 nodes). Two processes, one mending with numba and one
+    with the numpy loops, stand for two ranks. Before: no `call` or `digest` in the records, and the
+    profile call reported as a rebalance."""
+    compiled = run_case("records", **ON)
+    numpy_only = run_case("records", **ON, MOEWATCH_PLANNER_COMPILED="0")
+    assert (compiled["compiled"], numpy_only["compiled"]) == (True, False)
+    assert compiled["fallbacks"] == numpy_only["fallbacks"] == 0
+    assert compiled["profile_call_kept_map"] and numpy_only["profile_call_kept_map"]
+    # The profile call is no record and takes no ordinal; the two calls are 0 and 1 on both "ranks".
+    assert [r["call"] for r in compiled["records"]] == [0, 1] == [r["call"] for r in numpy_only["records"]]
+    assert not any(r["fallback"] for r in compiled["records"] + numpy_only["records"])
+    digests = [r["digest"] for r in compiled["records"]]
+    assert digests == [r["digest"] for r in numpy_only["records"]]  # same inputs, settings and maps
+    assert compiled["maps"] == numpy_only["maps"]
+    assert digests[0] != digests[1] and all(len(d) == 16 and int(d, 16) >= 0 for d in digests)
+
+
+def test_a_digest_changes_with_any_input_setting_or_answer():
+    """vllm_eplb.call_digest over (load, sizes, map in force, settings, map returned): each part changes it."""
+    import numpy as np
+
+    from moewatch.planner.rebalance import RebalanceSettings
+    from moewatch.runtime.engines.vllm_eplb import call_digest
+
+    load, old = np.arange(12.0).reshape(2, 6), np.tile(np.arange(8) % 6, (2, 1))
+    sizes, settings = (8, 1, 1, 4), RebalanceSettings()
+    base = call_digest(load, sizes, old, settings, old)
+    assert base == call_digest(load.copy(), list(sizes), old.copy(), RebalanceSettings(), old.copy())
+    changed = [call_digest(load + 1, sizes, old, settings, old), call_digest(load, (8, 1, 2, 4), old, settings, old),
+               call_digest(load, sizes, None, settings, old),
+               call_digest(load, sizes, old, RebalanceSettings(gain_margin=2.0), old),
+               call_digest(load, sizes, old, settings, old[:, ::-1].copy())]
+    assert len({base, *changed}) == 6

@@ -2,8 +2,8 @@
 process does, then exercises vLLM's EPLB policy registry and its own map checks, and prints one JSON
 line. moewatch's policy is in place when the caller's environment sets MOEWATCH_EPLB=1.
 
-usage: vllm_eplb_driver.py CASE     (CASE: resolve, all, mismatch; all runs checks, idle, digest and
-                                    fallback in one process: each vLLM start is a minute on a busy CPU)
+usage: vllm_eplb_driver.py CASE     (CASE: resolve, all, mismatch, records; all runs checks, idle, digest
+                                    and fallback in one process: each vLLM start is a minute on a busy CPU)
        vllm_eplb_driver.py digest   (the digest inputs through the policy's decision alone, no vLLM)
 """
 
@@ -111,6 +111,23 @@ def fallback(chosen, L, E, P, W, records) -> dict:
             "records": ["fallback" if r.get("fallback") else "decision" for r in vllm_eplb.take_records()]}
 
 
+def records_of_calls(chosen) -> dict:
+    """The profile run's call (vLLM's EplbState.rearrange(is_profile=True) hands the policy the load
+    window before any step: all zeros), then the two production-shaped calls of `digest`; what the
+    process recorded for its windows, and whether the mending ran compiled (numba) or in numpy."""
+    import torch
+
+    from moewatch.planner import mending_compiled
+    from moewatch.runtime.engines import vllm_eplb
+
+    old = contiguous(61, 320, 256)
+    kept = chosen.rebalance_experts(torch.zeros(61, 256, dtype=torch.int32), 320, 8, 8, 64, old)
+    maps = digest(chosen.rebalance_experts)
+    return {"profile_call_kept_map": bool((kept == old).all()), "maps": maps,
+            "compiled": mending_compiled.kernel() is not None, "fallbacks": vllm_eplb.fallbacks(),
+            "records": [{key: r.get(key) for key in ("call", "digest", "fallback")} for r in vllm_eplb.take_records()]}
+
+
 def main() -> None:
     case = sys.argv[1]
     records = Records()
@@ -139,6 +156,9 @@ def main() -> None:
 
     load_general_plugins()
     chosen = policy()
+    if case == "records":
+        print(json.dumps(records_of_calls(chosen)))
+        return
     out: dict = {"policy": chosen.__name__, "warnings": records.messages}
     L, E, P, W = 4, 16, 24, 4
     if case == "all":
