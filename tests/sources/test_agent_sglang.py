@@ -211,3 +211,43 @@ def test_dump_groups_take_placements_only_when_the_sglang_actuator_writes_them(s
         assert not (agent_dir / "expert_location.json").exists()
     finally:
         daemon.stop()
+
+
+@pytest.mark.slow
+def test_two_dp_ranks_shards_reach_the_agent_as_one_window_of_the_group(agent_dir, monkeypatch):
+    """Two SGLang DP ranks' hooks (one connection each, as two scheduler processes have): the agent
+    merges their shards of one sequence into one window of the group, each rank's pairs in its row."""
+    import torch
+
+    from moewatch.runtime.engines.common import env_sinks
+    from moewatch.runtime.engines.sglang_hooks import HookConfig, TopKCounter, _hello
+
+    daemon = Daemon(AgentConfig.from_mapping(agent_base(agent_dir, 0.2))).start()
+    monkeypatch.setenv("MOEWATCH_SOCKET", str(agent_dir / "a.sock"))
+    monkeypatch.delenv("MOEWATCH_WINDOW_DIR", raising=False)
+    cfg = HookConfig.from_mapping({"num_layers": 2, "num_experts": 4, "num_slots": 6, "ep_size": 2, "top_k": 2,
+                                   "model": "tiny", "window_seconds": 3600,
+                                   "physical_to_logical_map": PMAP.tolist()})
+    counters = []
+    try:
+        for rank in (0, 1):
+            shard = {"index": rank, "count": 2, "rank": rank}
+            sinks, closers = env_sinks(lambda shard=shard: _hello(cfg, cfg.ep_group, 2, shard))
+            counters.append(TopKCounter(cfg, sinks, closers=tuple(closers), shard=shard, start_thread=False))
+        gate = torch.nn.Module()
+        for rank, counter in enumerate(counters):
+            for layer in (0, 1):
+                gate.layer_id = layer
+                ids = torch.tensor([[rank * 3, rank * 3 + 1]])  # rank 0 to slots 0, 1; rank 1 to slots 3, 4
+                counter(gate, (), type("Out", (), {"topk_ids": ids})())
+            counter.flush(sequence=5)
+        key = ("tiny", "ep0")
+        assert wait_for(lambda: daemon.store.get(key) is not None and len(daemon.store.get(key).history) == 1)
+        got = daemon.store.get(key).latest().window
+        assert got.extra["shards"]["received"] == [0, 1] and got.extra["shards"]["missing"] == []
+        assert got.slot_tokens[0].tolist() == [1, 1, 0, 1, 1, 0] and got.steps == 1
+        assert got.traffic[0].tolist() == [[2, 0], [0, 2]]  # slots 0-2 on rank 0, 3-5 on rank 1
+    finally:
+        for counter in counters:
+            counter.close()
+        daemon.stop()
