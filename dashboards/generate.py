@@ -210,6 +210,7 @@ def overview() -> dash_b.Dashboard:
         ("Engine SLOs and their MoE attribution", slo),
         ("Agent decisions", [actions, rollbacks]),
         ("Engine rebalancing with moewatch's policy (MOEWATCH_EPLB=1)", engine_rebalance_panels()),
+        ("Sharded groups (one shard per DP rank)", shard_panels()),
     ])
 
 
@@ -258,6 +259,31 @@ def engine_rebalance_panels() -> list[Any]:
                f"[$__rate_interval]))", "layers worse {{model}}/{{ep_group}}", "B")], width=8)
         .draw_style(common.GraphDrawStyle.BARS))
     return [calls, layers, slots, balance, cost, checked]
+
+
+def shard_panels() -> list[Any]:
+    """A sharded group's windows (one shard per DP rank, merged by the agent, docs/deploy.md): whether
+    every shard makes it, and whether the ranks agree on the engine's rebalances. Empty for groups that
+    send whole windows."""
+    windows = increase_bars(
+        "Windows merged from shards", "Windows the agent merged from the group's shards, per interval: complete, "
+        "or partial (merged at the deadline without the shards missing or refused; alert MoewatchShardsMissing).",
+        "moewatch_shard_windows_total", "outcome", "{{outcome}}").stacking(
+        common_b.StackingConfig().mode(common.StackingMode.NORMAL))
+    lost = series_panel(
+        "Shards missing and refused", "Shards not in by the deadline (missing), and shards left out by reason: "
+        "late_shard (after their window left), a disagreement with the other shards (count, sizes, map, epoch), "
+        "duplicate_shard, invalid_merge.", "short",
+        [query(f"sum by (model, ep_group) (increase(moewatch_shards_missing_total{{{GROUP_SEL}}}[$__rate_interval]))",
+               "missing {{model}}/{{ep_group}}", "A"),
+         query(f"sum by (reason) (increase(moewatch_shards_refused_total{{{GROUP_SEL}}}[$__rate_interval]))",
+               "{{reason}}", "B")], width=8).draw_style(common.GraphDrawStyle.BARS)
+    disagree = increase_bars(
+        "Ranks disagreeing on a rebalance", "Engine rebalance calls whose digest (inputs, settings, result) differed "
+        "across the shards: ranks that may hold different maps (alert MoewatchEngineRanksDisagree; the audit log "
+        "names the shards).", "moewatch_engine_rebalance_digest_mismatches_total", "model, ep_group",
+        "{{model}}/{{ep_group}}")
+    return [windows, lost, disagree]
 
 
 def slo_panels() -> list[Any]:

@@ -41,6 +41,14 @@ EMPTY_IN_A_CLEAN_RUN = {
     "moewatch / agent health / Per-expert series left out / A": "per-expert series are off by default",
 }
 
+# A third group, sent as two DP ranks' shards would be (docs/deploy.md): the shard panels are queried
+# with its data.
+SHARD_GROUP = "ep-dp-shards"
+SHARD_QUERIES = [f"moewatch / overview / {title} / {ref}"
+                 for title, refs in (("Windows merged from shards", "A"), ("Shards missing and refused", "AB"),
+                                     ("Ranks disagreeing on a rebalance", "A"))
+                 for ref in refs]
+
 ENGINE_REBALANCE_QUERIES = [f"moewatch / overview / {title} / {ref}"
                             for title, refs in (("Engine rebalance calls", "A"), ("Layers per rebalance by outcome", "A"),
                                                 ("Slots moved", "A"), ("Predicted balancedness of the latest rebalance", "A"),
@@ -116,6 +124,33 @@ def send_engine_rebalances(sock: Path) -> None:
             w = w.replace(extra={**w.extra, "engine_rebalance": records})
         rt.send(w)
     rt.sock.close()
+
+
+def send_shards(sock: Path) -> None:
+    """As two DP ranks' processes would: window 0 from both shards (their rebalance digests differ),
+    window 1 from shard 0 only, so the agent merges one complete and, at the deadline, one partial."""
+    import dataclasses
+
+    helpers = load_by_path("tests/agent/conftest.py", "moewatch_agent_test_helpers")
+    W, L, E, P = 4, 2, 8, 12
+    pmap = contiguous_placement(L, E, P)
+    processes = []
+    for index in range(2):
+        rt = helpers.FakeRuntime(str(sock), world_size=W, num_layers=L, num_experts=E, num_slots=P, model=MODEL,
+                                 ep_group=SHARD_GROUP, capabilities=())
+        rt.hello = dataclasses.replace(rt.hello, shard_index=index, shard_count=2, pid=7000 + index)
+        processes.append(rt.connect())
+    record = {"engine": "vllm", "fallback": False, "layer_outcomes": {"kept_no_better": 2}, "call": 1}
+    for sequence, senders in ((0, (0, 1)), (1, (0,))):
+        for index in senders:
+            w = helpers.make_window(np.full((L, E), 50 + index, dtype=np.int64), pmap, W,
+                                    start_time=1000.0 + 10 * sequence, model=MODEL, ep_group=SHARD_GROUP)
+            extra = {"shard": {"index": index, "count": 2, "rank": index, "sequence": sequence}}
+            if sequence == 0:
+                extra["engine_rebalance"] = [{**record, "digest": f"d{index}"}]
+            processes[index].send(w.replace(extra=extra))
+    for rt in processes:
+        rt.sock.close()
 
 
 def get_json(url: str) -> dict:
@@ -222,6 +257,7 @@ def stack(tmp_path, engine_url):
         s.wait_for("agent socket", lambda: sock.exists(), time.monotonic() + 30)
         s.procs["runtime"] = start(runtime_command(sock), tmp_path / "runtime.log", tmp_path)
         send_engine_rebalances(sock)
+        send_shards(sock)
         yield s
     finally:
         for proc in reversed(list(s.procs.values())):
@@ -301,14 +337,30 @@ def test_prometheus_scrapes_the_agent_and_evaluates_the_rules(stack):
     def runs_with_series(expr: str, of: dict) -> bool:
         return bool(stack.query(gen._VARIABLE.sub(lambda m: of[next(g for g in m.groups() if g)], expr)))
 
-    empty, engine_only = [], []
+    # The sharded group's: a complete window, a partial one at the deadline, the digests that differ.
+    shard_values = {**values, "ep_group": SHARD_GROUP}
+    shard_group = f'model="{MODEL}", ep_group="{SHARD_GROUP}"'
+    stack.wait_for("the sharded group's partial window", lambda: stack.query(
+        f'moewatch_shard_windows_total{{{shard_group}, outcome="partial"}} > 0'), deadline)
+    empty, engine_only, shard_only = [], [], []
     for name in gen.DASHBOARDS:
         board = json.loads((ROOT / "dashboards" / "json" / name).read_text())
         for where, expr in gen.dashboard_queries(board):
             if runs_with_series(expr, values):
                 continue
-            (engine_only if runs_with_series(expr, engine_values) else empty).append(where)
+            if runs_with_series(expr, engine_values):
+                engine_only.append(where)
+            else:
+                (shard_only if runs_with_series(expr, shard_values) else empty).append(where)
     assert set(empty) <= set(EMPTY_IN_A_CLEAN_RUN), empty
+    # Only the shard row needs the sharded group, and every query of it has its series.
+    assert sorted(shard_only) == sorted(SHARD_QUERIES), shard_only
+    outcomes = {r["metric"]["outcome"]: float(r["value"][1])
+                for r in stack.query(f"moewatch_shard_windows_total{{{shard_group}}}")}
+    assert outcomes == {"complete": 1.0, "partial": 1.0}
+    assert [float(r["value"][1]) for r in stack.query(f"moewatch_shards_missing_total{{{shard_group}}}")] == [1.0]
+    assert [float(r["value"][1]) for r in stack.query(
+        f"moewatch_engine_rebalance_digest_mismatches_total{{{shard_group}}}")] == [1.0]
     # Only the engine rebalance row needs the engine group, and every query of it has its series.
     assert set(engine_only) <= set(ENGINE_REBALANCE_QUERIES), engine_only
     overview = json.loads((ROOT / "dashboards" / "json" / "overview.json").read_text())
