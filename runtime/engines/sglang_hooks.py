@@ -129,7 +129,7 @@ class TopKCounter:
 
     def __init__(self, cfg: HookConfig, sinks: list[Sink], *, device: torch.device | str | None = None,
                  rank: int = 0, closers: tuple = (), start_thread: bool = True, shard: Mapping | None = None,
-                 ranks_per_node: int | None = None, counts_received: bool = False):
+                 ranks_per_node: int | None = None, counts_received: bool = False, counts_padding: bool = False):
         self.cfg = cfg
         self.sinks = list(sinks)
         self._closers = list(closers)
@@ -138,6 +138,7 @@ class TopKCounter:
         self.shard = dict(shard) if shard is not None else None
         self.ranks_per_node = ranks_per_node or cfg.ep_size
         self.counts_received = counts_received
+        self.counts_padding = counts_padding
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -296,6 +297,8 @@ class TopKCounter:
         else:
             source = {"kind": "sglang-expert-distribution-recorder",
                       "counts": "received" if self.counts_received else "routed"}
+        if self.counts_padding:
+            source["padded_rows"] = "counted"
         if self._idless_layers:
             source["layers_without_ids"] = sorted(self._idless_layers, key=str)
         return source
@@ -444,7 +447,12 @@ def topk_counter(config: Mapping[str, Any] | None) -> TopKCounter | None:
     if not sinks:
         return None
     counter = TopKCounter(cfg, sinks, rank=rank, closers=tuple(closers), shard=decision.shard,
-                          ranks_per_node=decision.ranks_per_node, counts_received=decision.counts_received)
+                          ranks_per_node=decision.ranks_per_node, counts_received=decision.counts_received,
+                          counts_padding=decision.counts_padding)
+    if decision.counts_padding:
+        log.warning("moewatch: SGLang %s routes the padded rows of the batch it gathers over attention-DP ranks "
+                    "and masks none: their pairs are counted (windows say source.padded_rows: counted)",
+                    layout.version)
     made.append(counter)
     if decision.use_recorder:
         counter.attach_recorder(recorder, start_recording=decision.start_recording)

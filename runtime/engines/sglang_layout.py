@@ -83,6 +83,7 @@ class Decision:
     shard: dict | None = None  # {"index", "count", "rank"}; the sequence is added per window
     ranks_per_node: int = 1
     counts_received: bool = False  # counts are what this rank's slots received (DeepEP dispatch)
+    counts_padding: bool = False  # padded rows of a gathered DP batch are routed and counted
 
 
 def decide(layout: SGLangLayout, *, num_layers: int, num_slots: int, ep_size: int,
@@ -121,7 +122,10 @@ def decide(layout: SGLangLayout, *, num_layers: int, num_slots: int, ep_size: in
     received = use_recorder and layout.gatherer in RECEIVED_COUNT_GATHERERS and not layout.routed_counts
     common = dict(use_recorder=use_recorder, start_recording=start, ranks_per_node=rpn, counts_received=received)
     if not layout.moe_input_scattered:
-        return Decision(reports=layout.tp_rank == 0 or (layout.tp_rank < 0 and layout.tp_size == 1), **common)
+        # SGLang masks no padded row of a batch gathered over attention-DP ranks (each rank's slot
+        # is padded to the longest, ForwardBatch.moe_num_token_non_padded), so their pairs count.
+        return Decision(reports=layout.tp_rank == 0 or (layout.tp_rank < 0 and layout.tp_size == 1),
+                        counts_padding=layout.attn_dp_size > 1, **common)
     if layout.attn_tp_size > 1:
         return Decision(refusal=f"attention TP {layout.attn_tp_size} with each DP rank routing its own tokens: a "
                                 "pass's rows are split over or replicated across attention-TP ranks per forward")

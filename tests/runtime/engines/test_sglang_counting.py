@@ -244,6 +244,8 @@ def test_dp_attention_without_an_all_to_all_backend_reports_once_for_the_group(m
             counter = sglang_hooks.topk_counter({**hook_specs()[0]["config"], "num_slots": 8, "ep_size": 4})
             made.append(counter)
             reporting.append(counter is not None and counter.shard is None)
+            if counter is not None:  # SGLang pads each DP rank's rows to the longest and masks none
+                assert counter.counts_padding and counter._source(counter._last)["padded_rows"] == "counted"
             if counter is not None:
                 counter.close()
     assert reporting == [True, False, False, False]
