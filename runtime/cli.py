@@ -104,10 +104,13 @@ def runtime(placement_file, no_probe, socket_path, as_json, **options) -> None:
     cfg = RuntimeConfig(placement=placement, probe=not no_probe, socket=socket_path, **options)
     check_config(cfg)
     from .launcher import GroupError, launch
+    from .netlinks import LinkError
     try:
         result = launch(cfg)
     except ConfigError as exc:
         _fail(f"--{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[1]}")
+    except LinkError as exc:
+        _fail(f"--link-rate: {exc}")
     except GroupError as exc:
         click.echo(f"moewatch runtime: {exc}", err=True)
         sys.exit(1)
@@ -126,6 +129,12 @@ def check_config(cfg: RuntimeConfig) -> None:
         import torch
         if not torch.cuda.is_available():
             _fail("--backend nccl needs CUDA GPUs; none is visible")
+    if cfg.link_rate_mbit is not None:
+        from .netlinks import LinkError, check_can_emulate
+        try:
+            check_can_emulate()
+        except LinkError as exc:
+            _fail(f"--link-rate: {exc}")
 
 
 def echo_result(result, cfg: RuntimeConfig, as_json: bool) -> None:
@@ -146,6 +155,12 @@ def echo_result(result, cfg: RuntimeConfig, as_json: bool) -> None:
         click.echo(f"cores: each rank pinned to its own ({b['rank_cores']}, by rank), {b['threads_per_rank']} thread(s) each")
     elif b:
         click.echo(f"cores: not pinned: {b['warning']}")
+    if result.links is not None:
+        measured = ", ".join(f"{v * 8 / 1e6:.0f}" for v in result.links["link_bytes_per_second"])
+        click.echo(f"links: {result.links['rate_mbit']:g} Mbit/s asked, measured per rank {measured} Mbit/s")
+    if result.a2a is not None and result.a2a["over_bound_per_layer"] is not None:
+        over = ", ".join(f"{v:.2f}" for v in result.a2a["over_bound_per_layer"])
+        click.echo(f"all-to-all ({result.a2a['schedule']}): time over bound per layer {over}")
     if result.sender is not None:
         s = result.sender
         click.echo(f"agent link: {s['frames_sent']} frames sent, {s['frames_dropped']} dropped, "

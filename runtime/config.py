@@ -100,6 +100,9 @@ class RuntimeConfig:
     # real ones): with it, each layer's all-to-all bound goes into the windows; None: bound absent
     link_bytes_per_second: list | None = None
     a2a_log: bool = False  # keep every row exchange's span and bound (benchmarks; grows with steps)
+    # With known link rates, what one scheduled round costs besides its rows (two ranks meeting): the
+    # planner then runs whole-transfer rounds when they beat the bound-reaching split with that counted
+    a2a_round_seconds: float = 0.002
 
     # --- derived -----------------------------------------------------------------------------------
     @property
@@ -237,6 +240,7 @@ def validate(cfg: RuntimeConfig) -> RuntimeConfig:
         if cfg.socket is not None and cfg.socket.startswith("tcp://"):
             raise ConfigError("link_rate_mbit", "ranks in their own network namespaces reach the agent "
                                                 "only over a unix socket path, not tcp://")
+    _finite(cfg, "a2a_round_seconds", lower=0.0)
     if cfg.link_bytes_per_second is not None:
         rates = cfg.link_bytes_per_second
         if (not isinstance(rates, (list, tuple)) or len(rates) != W

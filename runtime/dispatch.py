@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from moewatch.planner.a2a_schedule import A2ASchedule, aurora_schedule, transfer_bound
+from moewatch.planner.a2a_schedule import A2ASchedule, plan_exchange, transfer_bound_seconds
 
 from .placement import ReplicaTable, choose_slots
 
@@ -37,12 +38,10 @@ SCHEDULES = ("none", "aurora")
 @dataclass
 class ExchangeLog:
     """Per layer and step of this rank: when its row exchanges began and ended (time.monotonic, one
-    clock for every process on a machine, so ranks can be lined up) and the exchange's bound in rows
-    (every rank knows the whole matrix, so every rank logs the same bound). Kept only when asked for
+    clock for every process on a machine, so ranks can be lined up). Kept only when asked for
     (emulated-link runs and benchmarks): it grows with every step."""
 
     spans: list = field(default_factory=list)  # (layer, phase 0 dispatch | 1 combine, start, end)
-    bound_rows: list = field(default_factory=list)  # (layer, rows) once per layer and step, when known
 
 
 @dataclass
@@ -50,7 +49,14 @@ class Exchange:
     """How one rank moves rows over the EP group: the collective as is, or Aurora's rounds."""
 
     schedule: str = "none"
-    full_matrix: bool = False  # gather the whole [W, W] matrix even when unscheduled (to know its bound)
+    # [W] each rank's link rate (bytes per second): the whole [W, W] matrix is gathered even when
+    # unscheduled, and each exchange's bound goes to on_bound(layer, seconds of one direction)
+    link_bytes_per_second: list | None = None
+    row_bytes: int = 0
+    # A round's fixed cost (its synchronisation) in rows' worth of link time: when whole-transfer
+    # rounds are predicted faster than the bound-reaching split once it is counted, they run instead
+    round_cost_rows: float = 0.0
+    on_bound: Callable[[int, float], None] | None = None
     log: ExchangeLog | None = None
     layer: int = 0  # the layer being exchanged, for the log
     planned: int = 0  # dispatches that ran as planned rounds (a count for checks and reports)
@@ -62,7 +68,7 @@ class Exchange:
 
     @property
     def gathers(self) -> bool:
-        return self.schedule == "aurora" or self.full_matrix
+        return self.schedule == "aurora" or self.link_bytes_per_second is not None
 
 
 @dataclass
@@ -168,10 +174,11 @@ def dispatch(x_norm: torch.Tensor, assigned: torch.Tensor, rank: int, world_size
         counts = torch.stack(everyone).view(world_size, world_size, slots_per_rank)  # [src, dst rank, slot]
         recv_counts = counts[:, rank].contiguous()
         matrix = counts.sum(dim=2).cpu().numpy()
-        if exchange.log is not None:
-            exchange.log.bound_rows.append((exchange.layer, transfer_bound(matrix)))
+        if exchange.link_bytes_per_second is not None and exchange.on_bound is not None:
+            exchange.on_bound(exchange.layer,
+                              transfer_bound_seconds(matrix, exchange.row_bytes, exchange.link_bytes_per_second))
         if exchange.schedule == "aurora":
-            plan = aurora_schedule(matrix)
+            plan = plan_exchange(matrix, exchange.round_cost_rows)
             exchange.planned += 1
             exchange.most_rounds = max(exchange.most_rounds, plan.num_rounds)
     else:

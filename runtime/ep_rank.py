@@ -71,13 +71,26 @@ class EPEngine:
         self.pairs = PairCounts()
         # How rows cross the group (cfg.a2a_schedule; a Plan may switch it at a step boundary). With
         # known link rates the whole count matrix is gathered so each layer's bound is known.
-        self.exchange = Exchange(cfg.a2a_schedule, full_matrix=cfg.link_bytes_per_second is not None,
+        row_bytes = cfg.hidden * torch.empty((), dtype=self.dtype).element_size()
+        # A round's fixed cost in rows needs a link rate; without one the rounds always reach the bound.
+        round_rows = (cfg.a2a_round_seconds * min(cfg.link_bytes_per_second) / row_bytes
+                      if cfg.link_bytes_per_second is not None else 0.0)
+        self.exchange = Exchange(cfg.a2a_schedule, link_bytes_per_second=cfg.link_bytes_per_second,
+                                 row_bytes=row_bytes, round_cost_rows=round_rows, on_bound=self._on_bound,
                                  log=ExchangeLog() if cfg.a2a_log else None)
+        self.bound_log: list[tuple[int, float]] = []  # (layer, seconds one way), with the exchange log
         # When a list: every layer's (layer, LayerRouting, CapacityAssignment, slot_counts) is appended
         # (self-checks compare the probe with counts derived from these).
         self.routing_log: list | None = None
         self._dropped = torch.zeros((), dtype=torch.long, device=self.device)
         self._rerouted = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def _on_bound(self, layer: int, seconds: float) -> None:
+        """One exchange's bound (one direction; the combine moves the same rows back)."""
+        if self.exchange.log is not None:
+            self.bound_log.append((layer, seconds))
+        if self.probe is not None:
+            self.probe.record_a2a_bound(layer, 2.0 * seconds)
 
     # --- placement ---------------------------------------------------------------------------------
     @property

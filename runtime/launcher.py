@@ -11,6 +11,7 @@ migration) -> the workload's batch -> forward with the probe -> the probe's flus
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -37,6 +38,8 @@ from .config import RuntimeConfig, validate
 from .control import PlanApplier
 from .ep_rank import EPEngine
 from .model import input_batch
+from .netlinks import EmulatedLinks, emulated_links
+from .netlinks import enter as enter_namespace
 from .probe import RUNTIME_NAME, Probe, ProbeConfig
 from .sender import Sender
 from .slowdown import Slowdown
@@ -87,15 +90,22 @@ def rank_view(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _group_entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
-                 results, threads: int, timeout_s: float, rank_cores: list | None = None) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+                 results, threads: int, timeout_s: float, rank_cores: list | None = None,
+                 links: EmulatedLinks | None = None) -> None:
+    address = "127.0.0.1"
+    if links is not None:
+        # First of all, before any thread starts: the rank's own namespace; gloo on its veth.
+        enter_namespace(links.namespaces[rank])
+        address = links.addresses[0]
+        os.environ["GLOO_SOCKET_IFNAME"] = links.interfaces[rank]
+    os.environ["MASTER_ADDR"] = address
     os.environ["MASTER_PORT"] = str(port)
     if rank_cores is not None:
         os.sched_setaffinity(0, rank_cores[rank])  # before torch starts its thread pool
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"tcp://{address}:{port}",
                             timeout=timedelta(seconds=timeout_s))
     try:
         value = fn(rank, world_size, *args)
@@ -121,7 +131,8 @@ def terminate_ranks(processes) -> None:
 
 def run_group(world_size: int, fn: Callable, args: tuple = (), *, backend: str = "gloo",
               threads_per_rank: int | None = None, timeout_s: float = 120.0,
-              on_interrupt: Callable[[list], None] | None = None, binding: dict | None = None) -> list[Any]:
+              on_interrupt: Callable[[list], None] | None = None, binding: dict | None = None,
+              links: EmulatedLinks | None = None) -> list[Any]:
     """Run fn(rank, world_size, *args) on world_size spawned ranks; return the values by rank.
 
     Each rank is pinned to its own cores when there are enough (`core_binding`; pass `binding` to
@@ -132,6 +143,9 @@ def run_group(world_size: int, fn: Callable, args: tuple = (), *, backend: str =
 
     fn must be importable by name (a module-level function). A failing rank raises GroupError with
     its traceback, after the other ranks are terminated.
+
+    links: run each rank in its namespace of these emulated links (runtime/netlinks.py), gloo bound
+    to its veth and rank 0's address.
     """
     binding = core_binding(world_size, threads_per_rank) if binding is None else binding
     if binding["warning"]:
@@ -142,7 +156,7 @@ def run_group(world_size: int, fn: Callable, args: tuple = (), *, backend: str =
     results = ctx.Queue()
     port = free_port()
     context = mp.start_processes(_group_entry, args=(world_size, port, backend, fn, args, results, threads, timeout_s,
-                                                     binding["rank_cores"]),
+                                                     binding["rank_cores"], links),
                                  nprocs=world_size, join=False, start_method="spawn")
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
@@ -220,29 +234,60 @@ class RuntimeResult:
     config: dict = field(default_factory=dict)
     # How ranks sat on cores: {"pinned", "rank_cores", "threads_per_rank", "cores", "warning"}
     cpu_binding: dict = field(default_factory=dict)
+    # Emulated links (config.link_rate_mbit): names, rate asked, rates measured (netlinks.EmulatedLinks)
+    links: dict | None = None
+    # With config.a2a_log: per layer, the measured steps' mean row-exchange seconds (dispatch + combine,
+    # from the last rank to arrive to the last to finish) and, with known link rates, the bound
+    a2a: dict | None = None
+    # With config.a2a_log: each rank's output of the last step (numpy), to compare runs (not in summary)
+    outputs: list = field(default_factory=list)
 
     def summary(self) -> dict:
         """The JSON form printed by `moewatch runtime --json` (windows left out)."""
         out = asdict(self)
         out.pop("windows")
+        out.pop("outputs")
         out.pop("step_seconds")
         out.pop("placement")
         return out
 
 
-def launch(config: RuntimeConfig, on_interrupt: Callable | None = None) -> RuntimeResult:
-    """Validate, spawn the EP group, run the workload, return the measurements."""
+def launch(config: RuntimeConfig, on_interrupt: Callable | None = None,
+           links: EmulatedLinks | None = None) -> RuntimeResult:
+    """Validate, spawn the EP group, run the workload, return the measurements. links: emulated links
+    already made and measured (a benchmark running several groups on one set); by default they are
+    made for this run when config.link_rate_mbit is set, and removed after it."""
     validate(config)
     config = with_start_placement(config)
     if config.workload == "trace":
         from .workload import TraceRouting
         TraceRouting(config.trace, config.layers, config.experts, config.top_k, config.ranks)  # fail early
     binding = core_binding(config.ranks, config.threads_per_rank)
-    per_rank = run_group(config.ranks, run_rank, (config,), backend=config.backend,
-                         threads_per_rank=config.threads_per_rank,
-                         timeout_s=config.collective_timeout_s, on_interrupt=on_interrupt, binding=binding)
+    if links is not None:
+        if config.link_bytes_per_second is None:
+            config = config.replace(link_bytes_per_second=list(links.link_bytes_per_second))
+        per_rank = run_group(config.ranks, run_rank, (config,), backend=config.backend,
+                             threads_per_rank=config.threads_per_rank, timeout_s=config.collective_timeout_s,
+                             on_interrupt=on_interrupt, binding=binding, links=links)
+        links_summary = links.summary()
+    elif config.link_rate_mbit is None:
+        per_rank = run_group(config.ranks, run_rank, (config,), backend=config.backend,
+                             threads_per_rank=config.threads_per_rank,
+                             timeout_s=config.collective_timeout_s, on_interrupt=on_interrupt, binding=binding)
+        links_summary = None
+    else:
+        with emulated_links(config.ranks, config.link_rate_mbit) as links:
+            if config.link_bytes_per_second is None:  # the bound at the rates measured, not the rate asked
+                config = config.replace(link_bytes_per_second=list(links.link_bytes_per_second))
+            per_rank = run_group(config.ranks, run_rank, (config,), backend=config.backend,
+                                 threads_per_rank=config.threads_per_rank, timeout_s=config.collective_timeout_s,
+                                 on_interrupt=on_interrupt, binding=binding, links=links)
+            links_summary = links.summary()
     result = _merge(config, per_rank)
     result.cpu_binding = binding
+    result.links = links_summary
+    if config.a2a_log:
+        result.outputs = [r["final_output"] for r in per_rank]
     return result
 
 
@@ -277,7 +322,32 @@ def _merge(cfg: RuntimeConfig, per_rank: list[dict]) -> RuntimeResult:
         plans_applied=head["plans_applied"], plans_refused=head["plans_refused"], plans_failed=head["plans_failed"],
         acks=head["acks"], windows_built=head["windows_built"], windows_invalid=head["windows_invalid"],
         sender=head["sender"], windows=head["windows"], step_seconds=step_seconds.tolist(),
-        config=cfg.to_dict())
+        config=cfg.to_dict(), a2a=_a2a_summary(cfg, per_rank, steps))
+
+
+def _a2a_summary(cfg: RuntimeConfig, per_rank: list[dict], steps: int) -> dict | None:
+    """Per layer over the measured steps: the row exchanges' seconds (each exchange from the last rank
+    to start it to the last to finish it: ranks that arrive early wait, which is not the exchange's
+    time) and the bound; None without cfg.a2a_log."""
+    if not cfg.a2a_log or not steps:
+        return None
+    L = cfg.layers
+    # [W, steps, L, phase, (start, end)]: every rank logs every layer's two exchanges every step.
+    spans = np.array([[span[2:] for span in r["a2a_spans"]] for r in per_rank], dtype=np.float64)
+    spans = spans.reshape(len(per_rank), steps, L, 2, 2)
+    seconds = (spans[..., 1].max(axis=0) - spans[..., 0].max(axis=0)).sum(axis=2)  # [steps, L]
+    first = cfg.warmup_steps if steps > cfg.warmup_steps else 0
+    out = {"schedule": cfg.a2a_schedule, "measured_steps": steps - first,
+           "output_digests": [r["output_digest"] for r in per_rank],
+           "seconds_per_layer": seconds[first:].mean(axis=0).tolist(),
+           "bound_seconds_per_layer": None, "over_bound_per_layer": None}
+    bounds = per_rank[0]["a2a_bounds"]
+    if bounds:
+        bound = 2.0 * np.array([b[1] for b in bounds], dtype=np.float64).reshape(steps, L)[first:].mean(axis=0)
+        out["bound_seconds_per_layer"] = bound.tolist()
+        ratio = np.divide(seconds[first:].mean(axis=0), bound, out=np.zeros(L), where=bound > 0)
+        out["over_bound_per_layer"] = ratio.tolist()
+    return out
 
 
 class _StopFlag:
@@ -363,6 +433,8 @@ def _run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int, l
 
     step_seconds: list[float] = []
     step_tokens: list[int] = []
+    output = None
+    digest = hashlib.sha256()
     started = time.perf_counter()
     measured_from = None
     step = 0
@@ -382,13 +454,15 @@ def _run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int, l
         t0 = time.perf_counter()
         if probe is not None:
             probe.begin_step(batch.num_tokens)
-        engine.forward(x, batch.valid, batch.expert_ids)
+        output = engine.forward(x, batch.valid, batch.expert_ids)
         if probe is not None:
             probe.end_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_seconds.append(time.perf_counter() - t0)
         step_tokens.append(batch.num_tokens)
+        if cfg.a2a_log:  # outside the step's time: every step's output, to compare runs bit for bit
+            digest.update(output.detach().cpu().numpy().tobytes())
         step += 1
     ended = time.perf_counter()
     if probe is not None:
@@ -405,6 +479,10 @@ def _run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int, l
         "windows_built": probe.windows_built if probe else 0,
         "windows_invalid": probe.windows_invalid if probe else 0,
         "sender": sender_stats, "windows": windows,
+        "a2a_spans": engine.exchange.log.spans if engine.exchange.log is not None else [],
+        "a2a_bounds": engine.bound_log,
+        "output_digest": digest.hexdigest() if cfg.a2a_log else None,
+        "final_output": output.detach().cpu().numpy() if cfg.a2a_log and output is not None else None,
     }
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moewatch.telemetry import Window, WindowError
+from moewatch.telemetry import Window, WindowError, a2a_over_bound
 
 RUNTIME_NAME = "moewatch-runtime"
 
@@ -207,6 +207,8 @@ class Probe:
         self.windows_built = 0
         self.windows_invalid = 0
         self.last_error = ""
+        self._bound = np.zeros(L)
+        self._bound_records = 0
 
     # --- placement in force ------------------------------------------------------------------------
     def set_placement(self, epoch: int, physical_to_logical_map, capacity_factor) -> None:
@@ -254,6 +256,13 @@ class Probe:
         self._pending.append((layer, expert_counts, slot_counts, dropped, rerouted))
 
     FOLD_STEPS = 16
+
+    def record_a2a_bound(self, layer: int, seconds: float) -> None:
+        """Add one step's all-to-all bound of a layer (dispatch + combine, seconds at the links' rates:
+        the same on every rank, which all know the whole matrix). A window gets `a2a_bound_seconds`
+        and `a2a_over_bound` only when every step of it recorded every layer's bound."""
+        self._bound[layer] += seconds
+        self._bound_records += 1
 
     def _layer_index(self, layers: tuple[int, ...]) -> torch.Tensor:
         # Steady state records the same layer sequence every batch: build its index tensor once.
@@ -333,6 +342,7 @@ class Probe:
         per_step_np = parts[3].reshape(2, W, steps)
         # Every rank derives the next window's length from the same reduced numbers.
         self._next_target(steps, float(parts[4].max()))
+        bound = self._bound.copy() if self._bound_records == steps * L else None
         self._reset()
         if self.rank != 0:
             return None
@@ -357,6 +367,9 @@ class Probe:
             step_seconds=per_step_np[0].max(axis=0),  # a collective step ends when its slowest rank does
             step_tokens=np.rint(per_step_np[1].sum(axis=0)).astype(np.int64),
         )
+        if bound is not None:
+            fields.update(a2a_bound_seconds=bound,
+                          a2a_over_bound=a2a_over_bound(timing[0] + timing[2], bound))
         try:
             window = Window(**fields)
         except WindowError as exc:  # a bug in the embedding runtime's counts: report, never crash the step
@@ -378,6 +391,8 @@ class Probe:
         self._target_steps = min(target, cap) if cap else target
 
     def _reset(self) -> None:
+        self._bound = np.zeros(self.cfg.num_layers)
+        self._bound_records = 0
         self._counts.zero_()
         self._pending = []
         self._timer.reset()

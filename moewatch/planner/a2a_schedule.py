@@ -71,6 +71,18 @@ def transfer_bound(matrix: np.ndarray) -> int:
     return int(max(m.sum(axis=1).max(), m.sum(axis=0).max()))
 
 
+def transfer_bound_seconds(matrix: np.ndarray, row_bytes: float, rank_bytes_per_second) -> float:
+    """[W, W] rows, bytes per row, [W] each rank's link rate (the same out and in) -> the bound in
+    seconds: the slowest of any rank pushing out its row or taking in its column at its own rate."""
+    m = offdiagonal(matrix).astype(np.float64)
+    rates = np.asarray(rank_bytes_per_second, dtype=np.float64)
+    if rates.shape != (m.shape[0],) or np.any(~np.isfinite(rates)) or np.any(rates <= 0):
+        raise ValueError(f"rank_bytes_per_second: expected {m.shape[0]} positive rates")
+    if m.size == 0:
+        return 0.0
+    return float(max((m.sum(axis=1) / rates).max(), (m.sum(axis=0) / rates).max()) * row_bytes)
+
+
 def _pad_to_bound(m: np.ndarray, bound: int) -> np.ndarray:
     """Dummy rows [W, W] that bring every row and column of m to `bound` (north-west corner rule)."""
     W = m.shape[0]
@@ -159,6 +171,45 @@ def aurora_schedule(matrix: np.ndarray) -> A2ASchedule:
     dest, amount, offset = np.stack(dests), np.stack(amounts), np.stack(offsets)
     order = np.argsort(-amount.max(axis=1), kind="stable")  # heaviest round first
     return A2ASchedule(dest[order].astype(np.int64), amount[order].astype(np.int64), offset[order].astype(np.int64))
+
+
+def matching_rounds(matrix: np.ndarray) -> A2ASchedule:
+    """[W, W] -> rounds that move every pair whole (no splitting): each round the matching of the
+    heaviest transfers left (a maximum-weight assignment), heaviest round first. Often W - 1 rounds
+    on near-uniform traffic against up to W^2 - 2W + 2 for `aurora_schedule`, at the price of ending
+    above the bound when a round's transfers differ in size (the sum of each round's largest)."""
+    from scipy.optimize import linear_sum_assignment
+
+    left = offdiagonal(matrix)
+    W = left.shape[0]
+    dests, amounts = [], []
+    while left.any():
+        rows, cols = linear_sum_assignment(-left.astype(np.float64))
+        chunk = left[rows, cols]
+        dest = np.where(chunk > 0, cols, -1)
+        dests.append(dest[np.argsort(rows)])
+        amounts.append(chunk[np.argsort(rows)].copy())
+        left[rows, cols] = 0
+    if not dests:
+        empty = np.zeros((0, W), dtype=np.int64)
+        return A2ASchedule(empty, empty.copy(), empty.copy())
+    dest, amount = np.stack(dests).astype(np.int64), np.stack(amounts).astype(np.int64)
+    return A2ASchedule(dest, amount, np.zeros_like(amount))
+
+
+def plan_exchange(matrix: np.ndarray, round_cost_rows: float = 0.0) -> A2ASchedule:
+    """The rounds to run: `aurora_schedule` (ends at the bound) unless the whole-transfer rounds of
+    `matching_rounds` are predicted faster once each round's fixed cost (round_cost_rows: a round's
+    synchronisation, in rows' worth of link time) is counted. With no round cost: always Aurora's."""
+    bound_plan = aurora_schedule(matrix)
+    if round_cost_rows <= 0 or bound_plan.num_rounds == 0:
+        return bound_plan
+    whole = matching_rounds(matrix)
+
+    def cost(plan: A2ASchedule) -> float:
+        return float(plan.round_rows().sum()) + round_cost_rows * plan.num_rounds
+
+    return whole if cost(whole) < cost(bound_plan) else bound_plan
 
 
 def fair_share_seconds(matrix: np.ndarray, row_bytes: float, link_bytes_per_second: float) -> float:

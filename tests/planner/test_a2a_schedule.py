@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moewatch.planner.a2a_schedule import (aurora_schedule, exchange_seconds, fair_share_seconds, offdiagonal,
-                                           transfer_bound)
+from moewatch.planner.a2a_schedule import (aurora_schedule, exchange_seconds, fair_share_seconds, matching_rounds,
+                                           offdiagonal, plan_exchange, transfer_bound)
 
 
 @st.composite
@@ -36,11 +36,13 @@ def _delivered(schedule, W):
     return total, ranges
 
 
-@settings(max_examples=300, deadline=None)
-@given(matrices())
-def test_every_transfer_exactly_once_and_one_partner_per_round(m):
+@pytest.mark.parametrize("planner", [aurora_schedule, matching_rounds, lambda m: plan_exchange(m, 25.0)],
+                         ids=["aurora", "matching", "chosen"])
+@settings(max_examples=200, deadline=None)
+@given(m=matrices())
+def test_every_transfer_exactly_once_and_one_partner_per_round(planner, m):
     W = m.shape[0]
-    s = aurora_schedule(m)
+    s = planner(m)
     total, ranges = _delivered(s, W)
     assert np.array_equal(total, offdiagonal(m))  # every row once, the diagonal never on a link
     for (i, j), chunks in ranges.items():  # chunks tile the pair's block in row order, no overlap
@@ -116,3 +118,18 @@ def test_exchange_seconds_per_layer_and_bad_input():
         aurora_schedule(np.array([[0, -1], [0, 0]]))
     with pytest.raises(ValueError, match="positive"):
         fair_share_seconds(mats[0], 1.0, 0.0)
+
+
+def test_whole_transfer_rounds_and_the_choice_by_round_cost():
+    rng = np.random.default_rng(1)
+    m = rng.integers(150, 250, (4, 4))  # near-uniform: the exact split needs many rounds
+    exact, whole = aurora_schedule(m), matching_rounds(m)
+    assert whole.num_rounds == 3 < exact.num_rounds
+    assert int(exact.round_rows().sum()) == transfer_bound(m) < int(whole.round_rows().sum())
+    assert np.all(whole.offset == 0)  # every pair in one piece
+    assert plan_exchange(m, 0.0).num_rounds == exact.num_rounds  # no round cost: the bound
+    assert plan_exchange(m, 20.0).num_rounds == 3  # 20 rows a round: fewer rounds win
+    skew = np.array([[0, 90, 10, 0], [0, 0, 0, 0], [0, 10, 0, 0], [0, 0, 0, 0]])
+    # Whole transfers would put 90 and 10 in separate rounds behind each other; splitting keeps the
+    # bound (100 into rank 1) unless rounds are dear.
+    assert plan_exchange(skew, 1.0).round_rows().sum() == transfer_bound(skew)

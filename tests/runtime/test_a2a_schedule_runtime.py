@@ -17,8 +17,11 @@ pytestmark = pytest.mark.slow
 L, E, P, W = 3, 8, 12, 4
 
 
-def test_aurora_rounds_give_the_collective_outputs_bit_for_bit():
-    cfg = RuntimeConfig(ranks=W, layers=L, experts=E, slots=P, hidden=24, ffn=32, batch_tokens=48,
+@pytest.mark.parametrize("rounds", ["bound", "whole"])
+def test_aurora_rounds_give_the_collective_outputs_bit_for_bit(rounds):
+    # "whole": declared link rates and a dear round make the planner pick whole-transfer rounds.
+    links = {} if rounds == "bound" else {"link_bytes_per_second": [1e6] * W, "a2a_round_seconds": 1.0}
+    cfg = RuntimeConfig(**links,ranks=W, layers=L, experts=E, slots=P, hidden=24, ffn=32, batch_tokens=48,
                         pad_fraction=0.1, zipf=1.4, capacity_factor=1.5, overflow="drop",
                         placement=checks.replicated_placement(L, E, P, seed=7).tolist())
     report = run_group(W, checks.exchange_outputs, (cfg, ("none", "aurora"), 3), timeout_s=60)[0]
