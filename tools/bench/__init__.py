@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "vllm": ("moewatch.tools.bench.vllm:vllm", "The vLLM plugin's cost: tokens/s active over inactive."),
     "loop": ("moewatch.tools.bench.loop:loop", "Closed loop: step time before and after the agent acts, with a control."),
     "eplb": ("moewatch.tools.bench.eplb:eplb", "moewatch's EPLB policy against vLLM's and SGLang's own."),
+    "a2a": ("moewatch.tools.bench.a2a:a2a", "All-to-all time against Aurora's bound on emulated links, placement x schedule."),
 }
 # Verbs that measure nothing (no result file).
 TOOLS = {
@@ -44,7 +45,8 @@ class BenchGroup(LazyGroup):
 def bench() -> None:
     """Benchmarks: `planner` (against DeepSeek's EPLB), `probe` (overhead on the forward step), `agent`
     (one agent process at a window size and rate), `vllm` (the vLLM plugin's cost), `loop` (step time
-    before and after the agent acts), `eplb` (moewatch's EPLB policy against vLLM's and SGLang's);
+    before and after the agent acts), `eplb` (moewatch's EPLB policy against vLLM's and SGLang's), `a2a`
+    (the all-to-all against its bound on emulated links, placement x schedule);
     `render` writes their tables into the docs from the recorded results.
     Each measuring verb writes its result with provenance into docs/benchmarks/results/ (--results-dir, --no-record).
     """
