@@ -94,8 +94,13 @@ class Exposition:
         lines = []
         name = spec.name
         if spec.kind == "histogram":
-            for key, (buckets, total) in self.state.chunk_series(spec, chunk):
-                *counts, total_text = go_floats([count for _, count in buckets] + [total])
+            series = self.state.chunk_series(spec, chunk)
+            # One go_floats for the whole chunk: its fixed cost once, not once per series.
+            texts = iter(go_floats([value for _, (buckets, total) in series
+                                    for value in [*(count for _, count in buckets), total]]))
+            for key, (buckets, _) in series:
+                counts = [next(texts) for _ in buckets]
+                total_text = next(texts)
                 for le_labels, count in zip(self._bucket_labels(spec, key, buckets), counts):
                     lines.append(f"{name}_bucket{le_labels} {count}\n")
                 labels = self._label_text(spec, key)

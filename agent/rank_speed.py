@@ -187,7 +187,11 @@ def _nanmedian_columns(values: np.ndarray, width: int) -> np.ndarray:
     out = np.full(width, np.nan)
     if values.size == 0:
         return out
-    seen = np.isfinite(values).any(axis=0)
+    finite = np.isfinite(values)
+    seen = finite.any(axis=0)
     if seen.any():
-        out[seen] = np.nanmedian(values[:, seen], axis=0)
+        # np.median where nothing is missing: the same numbers, and ten times cheaper than nanmedian's
+        # masked-array path on a few windows (this runs on every window)
+        median = np.median if finite[:, seen].all() else np.nanmedian
+        out[seen] = median(values[:, seen], axis=0)
     return out
