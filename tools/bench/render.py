@@ -19,7 +19,7 @@ import click
 
 from .record import REPO_ROOT, RESULTS_SUBDIR
 
-SLOT = re.compile(r"(<!-- bench:(?P<name>[a-z-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
+SLOT = re.compile(r"(<!-- bench:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 def pages(root: Path) -> list[str]:
     """The README and every benchmark page: a new page's slots are rendered and checked without a list."""
     return ["README.md", *sorted(str(p.relative_to(root)) for p in (root / "docs" / "benchmarks").glob("*.md"))]
@@ -219,7 +219,101 @@ def render_eplb(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+A2A_ARMS = ("contiguous+none", "contiguous+aurora", "affinity+none", "affinity+aurora")
+A2A_COLOURS = ("#9e9e9e", "#616161", "#64b5f6", "#1565c0")
+
+
+def render_a2a(records: list[dict[str, Any]]) -> str:
+    """The latest `bench a2a` run: per traffic and arm, all-to-all time per step, its bound, time over
+    bound (whole step, and the worst layer), step time; the links' measured rates; the goals with
+    their margins. The picture (a2a.svg) is drawn from the same run."""
+    mine = _of(records, "a2a")
+    if not mine:
+        return _table([], [], "a2a", "moewatch bench a2a --json")
+    latest = mine[-1]
+    prov, result = latest["provenance"], latest["result"]
+    links = result["links"]
+    rates = ", ".join(fmt(v * 8 / 1e6) for v in links["link_bytes_per_second"])
+    lines = [f"Run: `{prov['command']}` at `{prov['commit'][:12]}`, `{prov['started_utc']}`, machine during the "
+             f"run: {machine_state(prov)}; from `{latest['file']}` in {RESULTS_SUBDIR}/.", "",
+             f"Links: {fmt(result['link_rate_mbit'])} Mbit/s asked, measured per rank {rates} Mbit/s. "
+             f"Whole bench: {fmt(result['wall_seconds'])} s.", "",
+             "![all-to-all time per step by traffic and arm, with its bound](a2a.svg)", "",
+             "| traffic | arm | all-to-all per step (ms) | bound (ms) | over bound | worst layer over bound | "
+             "step (ms) |", "|---|---|---|---|---|---|---|"]
+    for kind, traffic in result["traffics"].items():
+        for arm in A2A_ARMS:
+            a = traffic["arms"][arm]
+            lines.append(f"| {kind} | {arm} | {fmt(a['a2a_seconds_per_step'] * 1e3)} | "
+                         f"{fmt(a['bound_seconds_per_step'] * 1e3)} | {fmt(a['over_bound'])} | "
+                         f"{fmt(max(a['over_bound_per_layer']))} | {fmt(a['step_mean_s'] * 1e3)} |")
+    lines += ["", "| traffic | affinity + aurora over contiguous + none | aurora over none (contiguous) | "
+              "aurora over none (affinity) | bound cut by the affinity placement | outputs identical across "
+              "schedules | across placements (max abs diff) |", "|---|---|---|---|---|---|---|"]
+    for kind, t in result["traffics"].items():
+        lines.append(f"| {kind} | {fmt(t['speedup_affinity_aurora_over_contiguous_none'])}x | "
+                     f"{fmt(t['speedup_aurora_over_none_contiguous'])}x | {fmt(t['speedup_aurora_over_none_affinity'])}x | "
+                     f"{fmt(t['bound_cut_affinity_over_contiguous'])} | {fmt(t['outputs_identical_across_schedules'])} | "
+                     f"{fmt(t['outputs_identical_across_placements'])} "
+                     f"({fmt(t['arms']['affinity+none']['max_abs_diff_vs_contiguous_none'])}) |")
+    m = result["margins"]
+    lines += ["", "Goals: " + ", ".join(f"{k} **{'pass' if v else 'fail'}**" for k, v in result["goals"].items())
+              + f". Margins: aurora's worst layer {fmt(m['aurora_worst_layer_over_bound'])}x its bound (goal "
+              f"{fmt(m['goal_over_bound'])}x); affinity + aurora {fmt(m['affinity_speedup'])}x faster than contiguous + "
+              f"none on the affinity traffic (goal {fmt(m['goal_speedup'])}x); {fmt(m['wall_seconds'])} s (goal "
+              f"{fmt(m['goal_seconds'])} s)."]
+    return "\n".join(lines) + "\n"
+
+
+def figure_a2a(records: list[dict[str, Any]]) -> str | None:
+    """docs/benchmarks/a2a.svg: all-to-all ms per step, a bar per arm in each traffic, a tick at each
+    arm's bound; from the latest `bench a2a` run (None: no run yet)."""
+    mine = _of(records, "a2a")
+    if not mine:
+        return None
+    result = mine[-1]["result"]
+    traffics = list(result["traffics"])
+    values = [[result["traffics"][k]["arms"][a] for a in A2A_ARMS] for k in traffics]
+    top = max(max(a["a2a_seconds_per_step"], a["bound_seconds_per_step"]) for row in values for a in row) * 1e3
+    width, height, left, bottom, plot_h = 640, 300, 60, 250, 210
+    group_w = (width - left - 20) / len(traffics)
+    bar_w = group_w / (len(A2A_ARMS) + 1.5)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           'font-size="11">', f'<line x1="{left}" y1="{bottom}" x2="{width - 10}" y2="{bottom}" stroke="#000"/>',
+           f'<line x1="{left}" y1="{bottom}" x2="{left}" y2="{bottom - plot_h}" stroke="#000"/>',
+           f'<text x="12" y="{bottom - plot_h / 2}" transform="rotate(-90 12 {bottom - plot_h / 2})" '
+           'text-anchor="middle">all-to-all ms per step</text>']
+    for tick in range(5):
+        v = top * tick / 4
+        y = bottom - plot_h * tick / 4
+        out.append(f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end">{v:.0f}</text>')
+    for g, kind in enumerate(traffics):
+        x0 = left + g * group_w + bar_w * 0.75
+        for i, arm in enumerate(values[g]):
+            h = plot_h * arm["a2a_seconds_per_step"] * 1e3 / top
+            x = x0 + i * bar_w
+            out.append(f'<rect x="{x:.1f}" y="{bottom - h:.1f}" width="{bar_w * 0.9:.1f}" height="{h:.1f}" '
+                       f'fill="{A2A_COLOURS[i]}"/>')
+            yb = bottom - plot_h * arm["bound_seconds_per_step"] * 1e3 / top
+            out.append(f'<line x1="{x:.1f}" y1="{yb:.1f}" x2="{x + bar_w * 0.9:.1f}" y2="{yb:.1f}" stroke="#d32f2f" '
+                       'stroke-width="2"/>')
+        out.append(f'<text x="{x0 + 2 * bar_w:.1f}" y="{bottom + 16}" text-anchor="middle">{kind}</text>')
+    for i, arm in enumerate(A2A_ARMS):
+        out.append(f'<rect x="{left + 10 + i * 135}" y="{height - 18}" width="10" height="10" fill="{A2A_COLOURS[i]}"/>')
+        out.append(f'<text x="{left + 24 + i * 135}" y="{height - 9}">{arm}</text>')
+    out.append(f'<text x="{width - 12}" y="16" text-anchor="end" fill="#d32f2f">red tick: the bound</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+# Pictures drawn from the results: path in the repository -> drawer (None: nothing to draw yet).
+FIGURES: dict[str, Callable[[list[dict[str, Any]]], str | None]] = {
+    "docs/benchmarks/a2a.svg": figure_a2a,
+}
+
+
 SLOTS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
+    "a2a": render_a2a,
     "eplb": render_eplb, "agent": render_agent, "probe": render_probe, "vllm": render_vllm, "loop": render_loop,
     "planner": render_planner, "readme-loop": render_readme_loop, "readme-demo": render_readme_demo,
 }
@@ -253,6 +347,13 @@ def render_pages(root: Path, results: Path, check: bool = False) -> list[str]:
             changed.append(page)
             if not check:
                 path.write_text(new)
+    for page, draw in FIGURES.items():
+        drawn = draw(records)
+        path = root / page
+        if drawn is not None and (not path.exists() or path.read_text() != drawn):
+            changed.append(page)
+            if not check:
+                path.write_text(drawn)
     return changed
 
 

@@ -79,3 +79,13 @@ def test_render_check_exits_1_when_a_page_would_change(tmp_path):
         _record("agent", {"cpu_share": 0.5}, busy=True) | {"schema": "moewatch-bench-result/1"}))
     out = CliRunner().invoke(render, ["--check", "--results-dir", str(tmp_path)])
     assert out.exit_code == 1 and "would change" in out.output
+
+
+def test_the_pictures_are_what_drawing_gives():
+    from moewatch.tools.bench.render import FIGURES
+
+    records = load_results(RESULTS)
+    for page, draw in FIGURES.items():
+        drawn = draw(records)
+        assert drawn is not None, f"{page}: no result to draw it from"
+        assert (ROOT / page).read_text() == drawn, f"{page}: run `moewatch bench render`"
