@@ -114,7 +114,7 @@ def test_each_call_is_recorded_with_a_digest_every_rank_shares_numba_or_not_and_
     digests = [r["digest"] for r in compiled["records"]]
     assert digests == [r["digest"] for r in numpy_only["records"]]  # same inputs, settings and maps
     assert compiled["maps"] == numpy_only["maps"]
-    assert digests[0] != digests[1] and all(len(d) == 16 and int(d, 16) >= 0 for d in digests)
+    assert digests[0] != digests[1] and all(len(d) == 64 and int(d, 16) >= 0 for d in digests)
 
 
 def test_a_digest_changes_with_any_input_setting_or_answer():
