@@ -2,7 +2,7 @@
 pairs each MoE layer routes and writes Windows (runtime "vllm") to the agent's socket or a folder.
 
 Inactive unless MOEWATCH_SOCKET or MOEWATCH_WINDOW_DIR is set (common.EngineSettings). When active,
-`register()` (run by vLLM in each of its processes) wraps three things, nothing else:
+`register()` (run by vLLM in each of its processes) wraps these things, nothing else:
 - the MoE layer's constructor: each MoERunner built from then on gets a capture function on its
   router, bound once at construction and never unbound. vLLM calls it with the logical top-k ids
   [N, k] before any EPLB mapping; it adds them into preallocated device counters (PairCounter), a
@@ -20,6 +20,23 @@ Inactive unless MOEWATCH_SOCKET or MOEWATCH_WINDOW_DIR is set (common.EngineSett
   MOEWATCH_WINDOW_SECONDS, the latter also while the engine is idle (the recorder's timer); its
   counters reach the host by a non-blocking copy read once complete (readout.py: no host sync).
 - the worker's `shutdown` (and process exit): the last, partial window is flushed.
+and, for the paths where the router's capture slot is not where the choice is seen:
+- a monolithic kernel (it routes inside itself; vLLM's oracle picks one for FP8-block on Blackwell,
+  bf16 on non-Hopper CUDA, NVFP4, MXFP4): `RoutedExperts.forward_monolithic` binds, at the layer's
+  first forward, a RoutedExpertsSink as vLLM's routed-experts capture does (shared with it), which
+  the kernel fills with the ids it routed to; a kernel that cannot report them leaves its layer out
+  of the window, named under extra `uncounted_layers`, with one warning.
+- a zero-expert router (LongCat): counted from its own routing with the weights, so the zero
+  experts it hands on as expert 0 with weight 0 are discarded, not added to expert 0. Ids outside
+  [0, E) on any path (padding rows masked to -1, fused shared experts E..E+s) go to the window's
+  extra `discarded_pairs`, never to an index out of range (PairCounter).
+- a drafter (MTP, EAGLE: layers vLLM builds under a model tag of its own): its layers have their own
+  recorder and windows, model `<model> (draft)`, each proposal a step, each of its forwards armed
+  for its real tokens (`SpecDecodeBaseProposer.propose`, `_determine_batch_execution_and_padding`);
+  with EPLB each recorder's slot counts go with its own model state's map (`_eplb_map_of`).
+- without EPLB the window states vLLM's expert placement (round_robin is not contiguous); with E
+  not divisible by the EP size it describes the group as one rank, the real layout under extra
+  `expert_placement` (`_describe_placement`).
 
 Measured: pairs per layer and logical expert for computed tokens (prefix-cache hits are not
 computed, so not counted); tokens per step; on the CPU with enforce_eager, per-layer MoE time and
@@ -37,6 +54,8 @@ import atexit
 import logging
 import os
 import time
+
+import numpy as np
 
 from . import vllm_layout
 
@@ -63,6 +82,8 @@ def register() -> None:
     _state["settings"] = settings
     try:
         _wrap_runner_constructor()
+        _wrap_monolithic()
+        _wrap_drafter()
         _wrap_execute_model()
         _wrap_shutdown()
         _wrap_lockstep_and_warm_up()
@@ -94,9 +115,10 @@ def recorder():
 
 def close() -> None:
     _end_open_step()
-    rec = _state.get("recorder")
-    if rec is not None:
-        rec.close()
+    for name in ("recorder", "drafter_recorder"):
+        rec = _state.get(name)
+        if rec is not None:
+            rec.close()
 
 
 # --- binding at construction -------------------------------------------------------------------------
@@ -166,9 +188,28 @@ def _recorder_for(moe_config):
         _count_lockstep_steps(rec, layout, settings.window_steps)
     from . import vllm_eplb
     rec.extra_fields["engine_rebalance"] = vllm_eplb.take_records  # the EPLB policy's decisions, when it is on
+    rec.extra_fields.update(_rebalancing_extra(vcfg.parallel_config))  # vLLM's EPLB settings, for the agent's watch
     _state["recorder"] = rec
     _state["time_layers"] = on_cpu and eager
     return rec
+
+
+def _rebalancing_extra(parallel_config) -> dict:
+    """{"rebalancing": its window extra} when vLLM's EPLB is on (moewatch.integrations.vllm.rebalancing),
+    else {}. Every rebalance is observed when moewatch's policy answers vLLM's (a record per call)."""
+    from moewatch.integrations.vllm.rebalancing import rebalancing_settings
+
+    from . import vllm_eplb
+
+    try:
+        settings = rebalancing_settings(parallel_config, observed=vllm_eplb.installed())
+    except (AttributeError, TypeError, ValueError) as exc:  # another vLLM's config: say so, never break serving
+        logger.warning("moewatch: vLLM's EPLB settings unreadable (%s); the agent cannot watch its rebalancing", exc)
+        return {}
+    if settings is None:
+        return {}
+    extra = settings.to_extra()["rebalancing"]
+    return {"rebalancing": lambda: extra}
 
 
 def _lockstep_settings(settings):
@@ -219,7 +260,14 @@ def _bind(runner) -> None:
     router = getattr(runner, "router", None)
     if router is None or not hasattr(router, "set_capture_fn") or not _reporting_rank(runner.moe_config):
         return
-    rec = _recorder_for(runner.moe_config)
+    if _drafting_model():  # a drafter's layer (MTP, EAGLE): counted apart from the target's
+        rec = _drafter_recorder(runner.moe_config)
+        if rec is None:
+            return
+    else:
+        rec = _recorder_for(runner.moe_config)
+        if not rec.counters:
+            _describe_placement(rec, runner)
     layer_id = runner.layer_id
     eplb = getattr(router, "eplb_state", None)
     num_slots = runner.moe_config.num_experts if eplb is not None else 0
@@ -227,9 +275,9 @@ def _bind(runner) -> None:
     rows = None
     if _state.get("layout") is not None:  # a share of the group's tokens: count this process's own rows
         rows = vllm_layout.own_rows(_state["layout"], rec.weights, observation_off)
-        _share_capture_slot(router, _counting_own_rows(counter.add, rows))
+        _route_to(runner, router, _counting_own_rows(counter.add, rows), layer_id)
     else:
-        _share_capture_slot(router, counter.add)
+        _route_to(runner, router, counter.add, layer_id)
     if eplb is not None:
         _count_slots(router, counter, rec, rows)
     if _state.get("time_layers"):
@@ -288,14 +336,7 @@ def _count_slots(router, counter, rec, rows=None) -> None:
 
     router._apply_eplb_mapping = mapped
     if rec.slot_map is None:
-        rec.slot_map = _eplb_map
-
-
-def _eplb_map():
-    # The device tensor itself: the flush copies it with the counters, without a host sync.
-    runner = _state.get("model_runner")
-    states = runner.eplb_state.model_states
-    return next(iter(states.values())).physical_to_logical_map
+        rec.slot_map = _eplb_map_of(rec)
 
 
 def _time_layer(runner, layer_id: int, rec) -> None:
@@ -310,6 +351,262 @@ def _time_layer(runner, layer_id: int, rec) -> None:
         return out
 
     runner.forward = timed
+
+
+# --- kernel paths, drafters and placements (what the router chose, on every path) -------------------
+
+def _route_to(runner, router, count, layer_id: int) -> None:
+    """Bind `count` where this layer's choice is seen. A zero-expert router (LongCat) hands its zero
+    experts on as expert 0 with weight 0: counted from its own routing, with the weights, so those
+    pairs are discarded rather than added to expert 0. Any other router: its capture slot. A layer
+    whose kernel routes inside itself (a monolithic kernel never calls the router) is counted through
+    the routed-experts sink vLLM's own capture binds for it (`_count_monolithic`), once the kernel is
+    known (at its first forward: kernels are chosen when the weights are processed)."""
+    if hasattr(router, "zero_expert_type") and hasattr(router, "_compute_routing"):
+        compute = router._compute_routing
+
+        def routing(hidden_states, router_logits, indices_type, *args, **kwargs):
+            weights, ids = compute(hidden_states, router_logits, indices_type, *args, **kwargs)
+            count(ids, weights)
+            return weights, ids
+
+        router._compute_routing = routing
+    else:
+        _share_capture_slot(router, count)
+    routed = getattr(runner, "routed_experts", None)
+    if routed is not None:
+        routed._moewatch_count = count
+        routed._moewatch_layer = layer_id
+
+
+def _count_monolithic(routed_experts) -> None:
+    """Bind this monolithic layer's count where vLLM's routed-experts capture binds: a
+    RoutedExpertsSink on the layer, whose buffer the kernel fills with the expert ids it routed to
+    and whose capture function the modular kernel then calls (FusedMoEKernelMonolithicImpl.apply).
+    A sink vLLM's capture bound already is shared (its buffer, both functions); one it binds later
+    replaces ours and is shared at the next forward. A kernel that cannot report its ids
+    (supports_routing_replay_capture false: AITER, the Triton MXFP4 kernels, CPU int4) leaves the
+    layer uncounted: it leaves the window (named under extra `uncounted_layers`), one warning per
+    kernel. Runs in the first forward (the profile run, before any CUDA graph is captured); the
+    buffer is allocated once, then."""
+    import copy
+
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsSink
+
+    count, layer_id = routed_experts._moewatch_count, routed_experts._moewatch_layer
+    kernel = getattr(getattr(routed_experts.quant_method, "moe_kernel", None), "impl", None)
+    fused = getattr(kernel, "fused_experts", None)
+    if not (isinstance(fused, FusedMoEExpertsMonolithic) and fused.supports_routing_replay_capture()):
+        routed_experts._moewatch_count = None
+        name = type(fused).__name__ if fused is not None else type(routed_experts.quant_method).__name__
+        _leave_uncounted(layer_id, f"monolithic kernel {name} does not report the expert ids it routes to")
+        return
+    other = routed_experts.routing_sink
+    if other is None:
+        sink = RoutedExpertsSink(fused.moe_config, count)
+    else:
+        theirs = other.capture_fn
+        sink = copy.copy(other)  # vLLM's buffer, both capture functions
+
+        def capture(routed_ids):
+            count(routed_ids)
+            theirs(routed_ids)
+
+        sink.capture_fn = capture
+    routed_experts.routing_sink = routed_experts._moewatch_sink = sink
+
+
+def _leave_uncounted(layer_id: int, reason: str) -> None:
+    uncounted = _state.setdefault("uncounted", {})
+    for rec in (_state.get("recorder"), _state.get("drafter_recorder")):
+        if rec is not None and layer_id in rec.counters:
+            rec.counters.pop(layer_id)
+            rec.extra_fields["uncounted_layers"] = lambda: dict(uncounted)
+    if reason not in uncounted.values():
+        logger.warning("moewatch: MoE layer %d is not counted: %s (its windows name it under uncounted_layers)",
+                       layer_id, reason)
+    uncounted[layer_id] = reason
+
+
+_UNBOUND = object()  # a layer's sink before moewatch bound one (vLLM's is None or its own)
+
+
+def _wrap_monolithic() -> None:
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    def make(forward):
+        def forward_monolithic(self, *args, **kwargs):
+            if getattr(self, "_moewatch_count", None) is not None and \
+                    self.routing_sink is not getattr(self, "_moewatch_sink", _UNBOUND):
+                try:
+                    _count_monolithic(self)
+                except Exception as exc:  # never fail the forward: this layer goes uncounted
+                    self._moewatch_count = None
+                    _leave_uncounted(self._moewatch_layer, f"{type(exc).__name__}: {exc}")
+            return forward(self, *args, **kwargs)
+        return forward_monolithic
+
+    _wrap_once(RoutedExperts, "forward_monolithic", make)
+
+
+def _drafting_model() -> bool:
+    """True while vLLM builds a drafter's model (an MTP, EAGLE or draft model): it builds every drafter
+    under a model tag of its own (set_model_tag), the target model under the default one."""
+    from vllm.compilation import backends
+
+    return getattr(backends, "model_tag", "backbone") != "backbone"
+
+
+def _drafter_recorder(moe_config):
+    """The recorder of the drafter's MoE layers: windows of their own, model `<model> (draft)` (vLLM's
+    own name for the drafter's EPLB state), their steps the drafter's proposals (`_wrap_drafter`), their
+    slot counts against the drafter's own EPLB map. None under a sharded layout (data-parallel
+    attention): the drafter's layers are then not counted, with one warning."""
+    rec = _state.get("drafter_recorder")
+    if rec is not None:
+        return rec
+    main = _recorder_for(moe_config)
+    if _state.get("layout") is not None:
+        if not _state.get("drafter_refused"):
+            _state["drafter_refused"] = True
+            logger.warning("moewatch: the drafter's MoE layers are not counted under data-parallel attention "
+                           "(its shards are not built); the target model's are")
+        return None
+    import torch
+
+    from .common import EngineRecorder, PairWeights
+
+    device = main.weights.tensor.device
+    max_tokens = main.weights.tensor.shape[0] // main.weights.top_k
+    element = torch.empty((), dtype=moe_config.in_dtype).element_size()
+    rec = EngineRecorder(
+        main.settings, runtime=RUNTIME_NAME, model=f"{main.model} (draft)", top_k=moe_config.experts_per_token,
+        hidden_bytes=moe_config.hidden_dim * element, num_experts=moe_config.num_logical_experts,
+        weights=PairWeights(max_tokens, moe_config.experts_per_token, device), world_size=main.world_size)
+    rec.ranks_per_node = getattr(main, "ranks_per_node", main.world_size)
+    _state["drafter_recorder"] = rec
+    return rec
+
+
+def _wrap_drafter() -> None:
+    """The drafter's forwards run in sample_tokens, after the target's step is disarmed: a proposal
+    (SpecDecodeBaseProposer.propose: MTP and EAGLE) is a step of the drafter's recorder, and each of
+    its forwards is armed for its real tokens, which vLLM passes to _determine_batch_execution_and_padding
+    just before it pads them. Its dummy runs (warm-up, capture) are outside a proposal: no pairs."""
+    try:
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    except ImportError:  # a build without speculative decoding
+        return
+    _wrap_once(SpecDecodeBaseProposer, "propose", _drafting_steps)
+    _wrap_once(SpecDecodeBaseProposer, "_determine_batch_execution_and_padding", _arming_draft_forwards)
+
+
+def _drafting_steps(propose):
+    """propose that makes a step of the drafter's recorder of each proposal with a forward."""
+    def drafting(self, *args, **kwargs):
+        rec = _state.get("drafter_recorder")
+        if rec is None or _state.get("off"):
+            return propose(self, *args, **kwargs)
+        _state["drafting"], _state["draft_step_open"] = rec, False
+        try:
+            return propose(self, *args, **kwargs)
+        finally:
+            _state["drafting"] = None
+            if _state.pop("draft_step_open", False):
+                _recorder_call(rec.end_step)
+    return drafting
+
+
+def _arming_draft_forwards(determine):
+    """_determine_batch_execution_and_padding that, inside a proposal, arms the drafter's pair weights
+    for the real tokens of the forward it pads (the first one also begins the drafter's step)."""
+    def arming(self, num_tokens, *args, **kwargs):
+        rec = _state.get("drafting")
+        if rec is not None:
+            if not _state.get("draft_step_open"):
+                _state["draft_step_open"] = _recorder_call(rec.begin_step, int(num_tokens))
+            else:
+                rec.weights.arm(int(num_tokens))
+        return determine(self, num_tokens, *args, **kwargs)
+    return arming
+
+
+def _eplb_map_of(rec):
+    """The slot map of `rec`'s layers: the physical_to_logical_map of the EPLB model state whose
+    model holds them (vLLM registers a drafter's state first, the target's after), its rows in the
+    order of the window's layers. A device tensor (the flush copies it without a host sync); None
+    while no state holds them."""
+    cached: dict = {}
+
+    def slot_map():
+        runner = _state.get("model_runner")
+        states = getattr(getattr(runner, "eplb_state", None), "model_states", None) or {}
+        if "key" not in cached or cached["key"] not in states:
+            ids = sorted(rec.counters)
+            for key, state in states.items():
+                position = {getattr(layer, "layer_id", None): i for i, layer in enumerate(state.model.moe_layers)}
+                if all(i in position for i in ids):
+                    rows = [position[i] for i in ids]
+                    cached.update(key=key, rows=None if rows == list(range(len(position))) else rows)
+                    break
+            else:
+                return None
+        pmap = states[cached["key"]].physical_to_logical_map
+        if cached["rows"] is None:
+            return pmap
+        if "index" not in cached or cached["index"].device != pmap.device:
+            import torch
+
+            cached["index"] = torch.tensor(cached["rows"], dtype=torch.long, device=pmap.device)
+        return pmap.index_select(0, cached["index"])
+
+    return slot_map
+
+
+def expert_placement(num_experts: int, ep_size: int, strategy: str) -> tuple[np.ndarray, list[int]]:
+    """([P] logical expert of each slot, experts per rank) as vLLM places experts without EPLB:
+    rank r's local experts (vLLM's determine_expert_map, linear or round_robin) in their local
+    order, rank after rank. P = E; ranks hold E // W experts, the first E % W one more."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    order, per_rank = [], []
+    for rank in range(ep_size):
+        local, expert_map, _ = determine_expert_map(ep_size, rank, num_experts, strategy)
+        held = np.full(local, -1, dtype=np.int64)
+        if expert_map is None:
+            held = np.arange(num_experts, dtype=np.int64)
+        else:
+            mapped = expert_map.numpy()
+            experts = np.nonzero(mapped >= 0)[0]
+            held[mapped[experts]] = experts
+        order.append(held)
+        per_rank.append(int(local))
+    return np.concatenate(order), per_rank
+
+
+def _describe_placement(rec, runner) -> None:
+    """Without EPLB the experts sit where vLLM's expert map puts them: the window states that map
+    (round_robin is not contiguous). When E does not divide over the EP ranks, ranks hold unequal
+    numbers of experts, which a window's slot layout (P divisible by W) cannot state: the window then
+    describes the group as one rank, and the real layout is under extra `expert_placement`
+    (strategy, ep_size, experts per rank, the slots' experts), with one warning."""
+    moe = runner.moe_config
+    parallel = moe.moe_parallel_config
+    if not parallel.use_ep or parallel.ep_size <= 1 or getattr(runner.router, "eplb_state", None) is not None:
+        return
+    strategy = str(getattr(runner, "expert_placement_strategy", "linear"))
+    slots, per_rank = expert_placement(moe.num_logical_experts, parallel.ep_size, strategy)
+    described = {"strategy": strategy, "ep_size": parallel.ep_size, "experts_per_rank": per_rank,
+                 "slot_experts": slots.tolist()}
+    rec.extra_fields["expert_placement"] = lambda: described
+    if len(set(per_rank)) > 1:
+        rec.world_size = rec.ranks_per_node = 1
+        logger.warning("moewatch: %d experts do not divide over %d EP ranks (vLLM places %s experts per rank, "
+                       "%s): windows describe the group as one rank, with the placement under "
+                       "extra.expert_placement", moe.num_logical_experts, parallel.ep_size, per_rank, strategy)
+    elif strategy != "linear":
+        rec.placement = slots
 
 
 def _wrap_once(cls, name: str, make) -> None:
