@@ -336,6 +336,34 @@ def lpt_assign(scaled, expert_rows, num_gpus, num_nodes, slots_per_gpu, num_expe
 
 
 @njit
+def _gpu_loads(weights, layer, loads, row):
+    # loads[g] = GPU g's load in numpy's order of summing (weights: [L, W, S]; row: [S] scratch)
+    for g in range(weights.shape[1]):
+        for s in range(weights.shape[2]):
+            row[s] = weights[layer, g, s]
+        loads[g] = numpy_sum(row)
+
+
+@njit
+def _swap_slots(bins, weights, gpu_count, node_count, node_of_gpu, layer, p, a, q, b):
+    # packing._SwapState._swap for one entry: slot a of GPU p with slot b of GPU q, counts kept
+    ea, eb = bins[layer, p, a], bins[layer, q, b]
+    wa, wb = weights[layer, p, a], weights[layer, q, b]
+    bins[layer, p, a], bins[layer, q, b] = eb, ea
+    weights[layer, p, a], weights[layer, q, b] = wb, wa
+    gpu_count[layer, ea, p] -= 1
+    gpu_count[layer, ea, q] += 1
+    gpu_count[layer, eb, q] -= 1
+    gpu_count[layer, eb, p] += 1
+    if node_count.shape[0] > 0:
+        n_p, n_q = node_of_gpu[p], node_of_gpu[q]
+        node_count[layer, ea, n_p] -= 1
+        node_count[layer, ea, n_q] += 1
+        node_count[layer, eb, n_q] -= 1
+        node_count[layer, eb, n_p] += 1
+
+
+@njit
 def pair_round(bins, weights, gpu_count, node_count, node_of_gpu, layers, offset, tol):
     # packing._SwapState.pair_round, layer by layer: the best swap inside each (i-th busiest,
     # (i + offset)-th idlest) GPU pair, every pair judged on the state before the round; node_count
@@ -356,10 +384,7 @@ def pair_round(bins, weights, gpu_count, node_count, node_of_gpu, layers, offset
     forbid_b = np.empty(S)
     for i in range(A):
         layer = layers[i]
-        for g in range(W):
-            for s in range(S):
-                row[s] = weights[layer, g, s]
-            loads[g] = numpy_sum(row)
+        _gpu_loads(weights, layer, loads, row)
         order = np.argsort(-loads, kind="mergesort")
         for j in range(K):
             heavy[j] = order[j]
@@ -397,21 +422,8 @@ def pair_round(bins, weights, gpu_count, node_count, node_of_gpu, layers, offset
             if not take[j]:
                 continue
             changed[i] = True
-            p, q, a, b = heavy[j], light[j], swap_a[j], swap_b[j]
-            ea, eb = bins[layer, p, a], bins[layer, q, b]
-            wa, wb = weights[layer, p, a], weights[layer, q, b]
-            bins[layer, p, a], bins[layer, q, b] = eb, ea
-            weights[layer, p, a], weights[layer, q, b] = wb, wa
-            gpu_count[layer, ea, p] -= 1
-            gpu_count[layer, ea, q] += 1
-            gpu_count[layer, eb, q] -= 1
-            gpu_count[layer, eb, p] += 1
-            if nodes:
-                n_p, n_q = node_of_gpu[p], node_of_gpu[q]
-                node_count[layer, ea, n_p] -= 1
-                node_count[layer, ea, n_q] += 1
-                node_count[layer, eb, n_q] -= 1
-                node_count[layer, eb, n_p] += 1
+            _swap_slots(bins, weights, gpu_count, node_count, node_of_gpu, layer, heavy[j], swap_a[j], light[j],
+                        swap_b[j])
     return changed
 
 
@@ -461,21 +473,7 @@ def _top_swap_layer(bins, weights, gpu_count, node_count, node_of_gpu, layer, pa
                     best, best_s, best_k, best_t, first = gain, s, k, t, False
     if not best > tol * max(top, 1.0):
         return False
-    j = partners[best_k]
-    ea, eb = bins[layer, h, best_s], bins[layer, j, best_t]
-    wa, wb = weights[layer, h, best_s], weights[layer, j, best_t]
-    bins[layer, h, best_s], bins[layer, j, best_t] = eb, ea
-    weights[layer, h, best_s], weights[layer, j, best_t] = wb, wa
-    gpu_count[layer, ea, h] -= 1
-    gpu_count[layer, ea, j] += 1
-    gpu_count[layer, eb, j] -= 1
-    gpu_count[layer, eb, h] += 1
-    if nodes:
-        n_j = node_of_gpu[j]
-        node_count[layer, ea, n_h] -= 1
-        node_count[layer, ea, n_j] += 1
-        node_count[layer, eb, n_j] -= 1
-        node_count[layer, eb, n_h] += 1
+    _swap_slots(bins, weights, gpu_count, node_count, node_of_gpu, layer, h, best_s, partners[best_k], best_t)
     return True
 
 
@@ -492,10 +490,7 @@ def top_round(bins, weights, gpu_count, node_count, node_of_gpu, layers, idlest,
     everyone = np.arange(W)
     for i in range(A):
         layer = layers[i]
-        for g in range(W):
-            for s in range(S):
-                row[s] = weights[layer, g, s]
-            loads[g] = numpy_sum(row)
+        _gpu_loads(weights, layer, loads, row)
         if idlest < W:
             partners = np.argsort(loads, kind="mergesort")[:idlest]
             if _top_swap_layer(bins, weights, gpu_count, node_count, node_of_gpu, layer, partners, loads, tol):
