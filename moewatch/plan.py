@@ -1,7 +1,8 @@
 """Plan: a whole desired state for an EP group, never a delta.
 
 A plan names the placement (physical_to_logical_map [L, P]) and the capacity factor per layer [L]
-that the runtime should run from `epoch` on. Runtimes refuse a plan whose epoch is not newer than the
+that the runtime should run from `epoch` on, and optionally the all-to-all's order (`a2a_schedule`,
+"none" or "aurora"; absent: keep the one in force, so a plan without it means what it always meant). Runtimes refuse a plan whose epoch is not newer than the
 one in force, so sending the same plan twice is harmless (idempotent, fenced by epoch).
 """
 
@@ -16,6 +17,9 @@ from .checks import check_map_shape, check_placement as check_placement_rule, ch
 from .errors import InputError
 
 
+A2A_SCHEDULES = ("none", "aurora")
+
+
 class PlanError(InputError):
     """A plan broke its contract; `field` names the offending field."""
 
@@ -28,6 +32,8 @@ class Plan:
     reason: str = ""
     # Extra facts a writer wants to carry (predicted gain, source windows...); round-trips as is.
     meta: dict[str, Any] = field(default_factory=dict)
+    # The all-to-all's order from `epoch` on (A2A_SCHEDULES); None keeps the one in force.
+    a2a_schedule: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, (int, np.integer)) or self.epoch < 0:
@@ -47,6 +53,8 @@ class Plan:
         object.__setattr__(self, "physical_to_logical_map", pmap)
         object.__setattr__(self, "capacity_factor", cap)
         object.__setattr__(self, "meta", dict(self.meta))
+        if self.a2a_schedule is not None and self.a2a_schedule not in A2A_SCHEDULES:
+            raise PlanError("a2a_schedule", f"must be one of {', '.join(A2A_SCHEDULES)}, got {self.a2a_schedule!r}")
 
     @property
     def num_layers(self) -> int:
@@ -70,6 +78,8 @@ class Plan:
             "capacity_factor": self.capacity_factor.tolist(),
             "reason": self.reason,
             "meta": self.meta,
+            # Written only when set: a reader older than the field sees the plan it always saw.
+            **({"a2a_schedule": self.a2a_schedule} if self.a2a_schedule is not None else {}),
         }
 
     @classmethod
@@ -85,7 +95,8 @@ class Plan:
             raise PlanError("reason", "must be a string")
         if not isinstance(meta, dict):
             raise PlanError("meta", "must be an object")
-        return cls(data["epoch"], data["physical_to_logical_map"], data["capacity_factor"], reason, meta)
+        return cls(data["epoch"], data["physical_to_logical_map"], data["capacity_factor"], reason, meta,
+                   data.get("a2a_schedule"))
 
 
 def check_placement(pmap: np.ndarray, num_experts: int) -> None:

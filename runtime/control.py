@@ -6,7 +6,10 @@ on it at the same step. Rank 0 alone refuses what it must (a plan whose epoch is
 in force, or that does not fit the runtime's sizes) and answers with a failed Ack at once; nothing
 reaches the other ranks.
 
-An accepted plan that keeps the placement (capacity only) takes effect at that boundary. One that
+An accepted plan that keeps the placement (capacity only, or the all-to-all's order) takes effect at
+that boundary; a plan's `a2a_schedule` switches every rank's exchange at the boundary its placement
+commits, the same step on every rank (a rank on rounds and one on the collective would wait on
+each other for ever). One that
 moves experts migrates first: at each boundary at most `layers_per_step` changed layers have their new
 slots filled, locally when the rank already holds the expert, otherwise by torch.distributed P2P
 (batch_isend_irecv, one message per rank pair), into staging buffers; the model keeps running on
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from moewatch import wire
-from moewatch.plan import Plan, PlanError
+from moewatch.plan import A2A_SCHEDULES, Plan, PlanError
 
 from .ep_rank import EPEngine, LayerState
 from .placement import Transfer, changed_layers, plan_migration, slot_ranks
@@ -65,6 +68,7 @@ class Migration:
     stall_seconds: float = 0.0
     steps: int = 0
     layers_changed: int = 0
+    a2a_schedule: str | None = None  # the order from this epoch on (None: keep)
 
 
 class PlanApplier:
@@ -129,26 +133,30 @@ class PlanApplier:
 
     def _share_plan(self, plan: Plan | None) -> tuple[int, np.ndarray, np.ndarray]:
         L, P = self.engine.spec.num_layers, self.engine.num_slots
-        payload = torch.zeros(1 + L + L * P, dtype=torch.float64, device=self.device)
+        payload = torch.zeros(2 + L + L * P, dtype=torch.float64, device=self.device)
         if self.rank == 0:
+            schedule = -1.0 if plan.a2a_schedule is None else float(A2A_SCHEDULES.index(plan.a2a_schedule))
             payload.copy_(torch.from_numpy(np.concatenate([
-                [float(plan.epoch)], plan.capacity_factor, plan.physical_to_logical_map.reshape(-1)])))
+                [float(plan.epoch), schedule], plan.capacity_factor, plan.physical_to_logical_map.reshape(-1)])))
         self._broadcast(payload)
         values = payload.cpu().numpy()
-        return int(values[0]), np.rint(values[1 + L:]).astype(np.int64).reshape(L, P), values[1:1 + L].copy()
+        schedule = None if values[1] < 0 else A2A_SCHEDULES[int(values[1])]
+        return (int(values[0]), np.rint(values[2 + L:]).astype(np.int64).reshape(L, P), values[2:2 + L].copy(),
+                schedule)
 
-    def _start(self, shared: tuple[int, np.ndarray, np.ndarray]) -> None:
-        epoch, new_map, capacity = shared
+    def _start(self, shared: tuple[int, np.ndarray, np.ndarray, str | None]) -> None:
+        epoch, new_map, capacity, schedule = shared
         old_map = self.engine.placement
         layers = changed_layers(old_map, new_map)
         if not layers:
-            self._commit(Migration(epoch, new_map, capacity, [], {}))
+            self._commit(Migration(epoch, new_map, capacity, [], {}, a2a_schedule=schedule))
             return
         transfers = plan_migration(old_map, new_map, self.world_size)
         by_layer: dict[int, list[Transfer]] = {layer: [] for layer in layers}
         for t in transfers:
             by_layer[t.layer].append(t)
-        self.migration = Migration(epoch, new_map, capacity, list(layers), by_layer, layers_changed=len(layers))
+        self.migration = Migration(epoch, new_map, capacity, list(layers), by_layer, layers_changed=len(layers),
+                                   a2a_schedule=schedule)
 
     # --- migration ---------------------------------------------------------------------------------
     def _migrate_some(self) -> None:
@@ -292,6 +300,8 @@ class PlanApplier:
         if self.probe is not None:
             self.probe.set_placement(m.epoch, m.new_map, m.capacity)  # flushes the old epoch's window
         engine.install(states, m.epoch, m.capacity)
+        if m.a2a_schedule is not None:
+            engine.exchange.schedule = m.a2a_schedule  # every rank at this same boundary
         self.migration = None
         self.applied += 1
         self._answer(wire.Ack(plan_epoch=m.epoch, epoch_in_force=m.epoch, ok=True, step=self.step,

@@ -337,7 +337,8 @@ def _a2a_summary(cfg: RuntimeConfig, per_rank: list[dict], steps: int) -> dict |
     spans = spans.reshape(len(per_rank), steps, L, 2, 2)
     seconds = (spans[..., 1].max(axis=0) - spans[..., 0].max(axis=0)).sum(axis=2)  # [steps, L]
     first = cfg.warmup_steps if steps > cfg.warmup_steps else 0
-    out = {"schedule": cfg.a2a_schedule, "measured_steps": steps - first,
+    out = {"schedule": cfg.a2a_schedule, "schedule_at_end": per_rank[0]["a2a_schedule"],
+           "measured_steps": steps - first,
            "output_digests": [r["output_digest"] for r in per_rank],
            "seconds_per_layer": seconds[first:].mean(axis=0).tolist(),
            "bound_seconds_per_layer": None, "over_bound_per_layer": None}
@@ -481,6 +482,7 @@ def _run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int, l
         "sender": sender_stats, "windows": windows,
         "a2a_spans": engine.exchange.log.spans if engine.exchange.log is not None else [],
         "a2a_bounds": engine.bound_log,
+        "a2a_schedule": engine.exchange.schedule,
         "output_digest": digest.hexdigest() if cfg.a2a_log else None,
         "final_output": output.detach().cpu().numpy() if cfg.a2a_log and output is not None else None,
     }
@@ -489,7 +491,7 @@ def _run_rank(rank: int, world_size: int, cfg: RuntimeConfig, local_rank: int, l
 def _hello(cfg: RuntimeConfig, epoch: int) -> wire.Hello:
     return wire.Hello(runtime=RUNTIME_NAME, model=cfg.model_name, ep_group=cfg.ep_group, world_size=cfg.ranks,
                       num_layers=cfg.layers, num_experts=cfg.experts, num_slots=cfg.num_slots, epoch=epoch,
-                      ranks_per_node=cfg.node_size, pid=os.getpid(), capabilities=("plan", "capacity"))
+                      ranks_per_node=cfg.node_size, pid=os.getpid(), capabilities=("plan", "capacity", "schedule"))
 
 
 def _append_line(path: str, line: str) -> None:
