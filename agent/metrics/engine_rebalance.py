@@ -23,7 +23,7 @@ CALLS_TOTAL = Counter(
 LAYERS_TOTAL = Counter(
     "moewatch_engine_rebalance_layers_total", (*GROUP, "outcome"),
     "Layers per engine rebalance by outcome (moved, moved_less, placed, kept_no_better, kept_not_paying, "
-    "kept_idle).")
+    "kept_idle, placed_static, kept_static).")
 EXPERTS_MOVED_TOTAL = Counter(
     "moewatch_engine_rebalance_experts_moved_total", GROUP,
     "Slots whose expert the engine's rebalances changed, as moewatch's policy decided.")

@@ -20,8 +20,6 @@ from ..plan import Plan
 from .affinity import transitions_from_trace
 from .cost import CostModel, fit as fit_cost_model, sweep
 from .files import PLAN_FORMATS, read_affinity, read_load, read_plan, write_plan
-from .joint import even_origins, joint_prediction
-from .placement_math import contiguous_placement
 from .solve import solve_placement
 
 
@@ -45,13 +43,16 @@ class _IntList(click.ParamType):
 # --- moewatch plan ------------------------------------------------------------------------------
 
 @click.command("plan", cls=NamedOneLineCommand)
-@click.option("--load", "load_path", required=True, type=click.Path(dir_okay=False),
-              help="Pairs per expert: .npy, .json ([L][E] or {logical_count}) or SGLang's .pt stat dump.")
+@click.option("--load", "load_path", required=True, type=click.Path(),
+              help="Pairs per expert: recorded windows (a folder, e.g. an engine's MOEWATCH_WINDOW_DIR, or one "
+                   "window file), .npy, .json ([L][E] or {logical_count}) or SGLang's .pt stat dump.")
 @click.option("--gpus", type=click.IntRange(min=1), required=True, help="GPUs (EP ranks) W.")
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Nodes the GPUs sit in (topology-aware packing and cross-node share).")
 @click.option("--slots", type=click.IntRange(min=1), default=None,
-              help="Physical slots P (default: the current plan's, else experts rounded up to a multiple of W).")
+              help="Physical slots P, the engine's slot count (vLLM: experts + num_redundant_experts) "
+                   "(default: the current plan's, else the recorded windows' when they all agree, else experts "
+                   "rounded up to a multiple of W).")
 @click.option("--affinity", "affinity_path", type=click.Path(dir_okay=False), default=None,
               help="Routing trace [tokens, L, k] or transition counts [L-1, E, E] (.npy, .npz, .json).")
 @click.option("--current", "current_path", type=click.Path(dir_okay=False), default=None,
@@ -78,17 +79,13 @@ class _IntList(click.ParamType):
                    "once or twice, which overfit small traces).")
 @click.option("--epoch", type=click.IntRange(min=0), default=None,
               help="Epoch of the new plan (default: the current plan's + 1, else 1).")
-@click.option("--link-rate", "link_rate", type=click.FloatRange(min=0.0, min_open=True), default=None,
-              help="Mbit/s each rank's link carries each way: report the predicted all-to-all time of the load "
-                   "under each placement (before, plan) and schedule (none, aurora); needs --hidden-bytes.")
 @click.option("--rank-speed", "rank_speed_arg", default=None, metavar="S,S,...|FILE",
               help="Speed of each GPU (any scale, e.g. pairs per second) as a comma list or a JSON file "
                    "(a list, or {\"rank_speed\": [...]}): balance each rank's time, load / speed.")
 def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path: str | None,
          current_path: str | None, fmt: str, out_path: str, as_json: bool, balancedness_floor: float,
          tolerance: float, expert_bytes: float | None, capacity_target: float | None, top_k: int,
-         hidden_bytes: int | None, discount: float, epoch: int | None, rank_speed_arg: str | None,
-         link_rate: float | None = None) -> None:
+         hidden_bytes: int | None, discount: float, epoch: int | None, rank_speed_arg: str | None) -> None:
     """Solve an expert placement from a load file and write the plan."""
     out = Path(out_path)
     if not out.parent.is_dir():
@@ -101,6 +98,10 @@ def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path
         fail_input(f"--current: plan has {current.num_layers} layers, the load has {L}")
     if current is not None and slots is not None and current.num_slots != slots:
         fail_input(f"--slots: {slots} differs from the current plan's {current.num_slots} slots")
+    if slots is None and current is None and loads.num_slots is not None:
+        slots = loads.num_slots  # the slot count the engine ran with when it recorded the windows
+        if slots % gpus:
+            fail_input(f"--slots: the recorded windows' {slots} slots do not divide over --gpus {gpus}; give --slots")
     transitions = None
     if affinity_path:
         kind, data = read_affinity(affinity_path, L, E)
@@ -116,6 +117,8 @@ def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path
                              affinity=transitions, balancedness_floor=balancedness_floor,
                              expert_bytes=expert_bytes, tolerance=tolerance, rank_speed=rank_speed)
     summary = result.summary()
+    if loads.source == "windows":
+        summary["windows"] = loads.windows
     if capacity is not None:
         factor = capacity.capacity_factor
         summary["capacity"] = capacity.to_dict()
@@ -123,13 +126,6 @@ def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path
         factor = current.capacity_factor
     else:
         factor = np.zeros(L)
-    if link_rate is not None:
-        if hidden_bytes is None:
-            fail_input("--link-rate: needs --hidden-bytes (the bytes one pair moves) to turn pairs into seconds")
-        before = current.physical_to_logical_map if current is not None else contiguous_placement(
-            L, E, result.physical_to_logical_map.shape[1])
-        summary["a2a_prediction"] = a2a_prediction(loads.load, before, result.physical_to_logical_map, gpus,
-                                                   hidden_bytes, link_rate)
     new_epoch = epoch if epoch is not None else (current.epoch + 1 if current is not None else 1)
     new_plan = Plan(new_epoch, result.physical_to_logical_map, factor,
                     reason=f"moewatch plan ({result.method}) from {Path(load_path).name}",
@@ -143,19 +139,6 @@ def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path
         click.echo(json.dumps(summary))
         return
     click.echo(_plan_text(summary))
-
-
-def a2a_prediction(load: np.ndarray, before: np.ndarray, after: np.ndarray, num_gpus: int, hidden_bytes: int,
-                   link_rate_mbit: float) -> dict[str, Any]:
-    """The plan report's all-to-all time of the load [L, E] (one pass, dispatch + combine, every layer)
-    under the placement before and the plan, each unscheduled and with Aurora's order (joint.py)."""
-    seconds = joint_prediction(even_origins(load, num_gpus), {"before": before, "plan": after}, float(hidden_bytes),
-                               link_rate_mbit * 1e6 / 8)
-    flat = {f"{name}+{schedule}": value for name, by in seconds.items() for schedule, value in by.items()}
-    best = min(flat, key=flat.get)
-    return {"link_rate_mbit": link_rate_mbit, "hidden_bytes": hidden_bytes, "seconds": flat, "best": best,
-            "a2a_schedule": best.split("+")[1],
-            "model": "tokens even over ranks; aurora at the bound, none by fair-share fluid sharing"}
 
 
 def _read_rank_speed(value: str, num_gpus: int) -> list[float]:
@@ -211,11 +194,6 @@ def _plan_text(s: dict[str, Any]) -> str:
     if "capacity" in s:
         cap = s["capacity"]["capacity_factor"]
         lines.append(f"capacity factor {min(cap):.3f}-{max(cap):.3f} for overflow <= {s['capacity']['target']:.1%}")
-    if "a2a_prediction" in s:
-        p = s["a2a_prediction"]
-        cells = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in p["seconds"].items())
-        lines.append(f"all-to-all per pass of the load at {p['link_rate_mbit']:g} Mbit/s ({p['model']}): {cells}; "
-                     f"best {p['best']}")
     lines.append(f"wrote {s['out']} ({s['format']})")
     return "\n".join(lines)
 

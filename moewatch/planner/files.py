@@ -1,6 +1,9 @@
 """Files the planner reads and writes.
 
 Loads (pairs per logical expert):
+- recorded windows: a folder of window files (what an engine adapter writes to MOEWATCH_WINDOW_DIR,
+  shards included) or one window file (JSON `moewatch.window/v1` or the binary form); their
+  `expert_tokens` [L, E] summed, and the engine's slot count P when every window has the same;
 - `.npy`: [L, E], or [S, L, E] per step;
 - `.json`: a bare [L][E] (or [S][L][E]) list, or an object whose `logical_count` holds one;
 - `.pt`: SGLang's expert-distribution stat dump, an object with `logical_count` [S, L, E], read by
@@ -42,19 +45,28 @@ class FileFormatError(InputError):
 class LoadFile:
     load: np.ndarray  # [L, E] float64, summed over steps
     steps: np.ndarray | None  # [S, L, E] float64 when the file held per-step counts
-    source: str  # "npy", "json", "sglang-pt"
+    source: str  # "npy", "json", "sglang-pt", "windows"
+    num_slots: int | None = None  # recorded windows: the engine's slot count P, when they all have one
+    windows: int = 0  # recorded windows: how many were summed
 
 
 def read_load(path: str | Path) -> LoadFile:
-    """Read pairs per logical expert from .npy, .json or SGLang's .pt stat dump."""
+    """Read pairs per logical expert from recorded windows (a folder or one file), .npy, .json or
+    SGLang's .pt stat dump."""
     path = Path(path)
     suffix = path.suffix.lower()
+    if path.is_dir():
+        return _read_window_folder(path)
     if not path.is_file():
         raise FileFormatError(path, "no such file")
+    if _is_binary_window(path):
+        return _load_of_windows([path])
     if suffix == ".npy":
         raw, source = _read_npy(path), "npy"
     elif suffix == ".json":
         data = _read_json(path)
+        if isinstance(data, dict) and "schema" in data and "logical_count" not in data:
+            return _load_of_windows([path])
         if isinstance(data, dict):
             if "logical_count" not in data:
                 raise FileFormatError(path, "object has no `logical_count`")
@@ -71,6 +83,51 @@ def read_load(path: str | Path) -> LoadFile:
         return LoadFile(counts.sum(axis=0), counts, source)
     raise FileFormatError(path, f"logical_count: expected [layers][experts] or [steps][layers][experts], "
                                 f"got {counts.ndim} dimensions")
+
+
+def _read_window_folder(folder: Path) -> LoadFile:
+    """Every window file in `folder` (JSON `*.json`, binary ones by their magic), in name order; the
+    temporary files a writer renames into place are not windows yet."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.endswith(".tmp")
+                   and (p.suffix.lower() == ".json" or _is_binary_window(p)))
+    if not files:
+        raise FileFormatError(folder, "no window files (*.json or binary windows) in this folder")
+    return _load_of_windows(files)
+
+
+def _is_binary_window(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"MWW1"
+    except OSError as exc:
+        raise FileFormatError(path, f"cannot read ({exc.strerror or exc})") from None
+
+
+def _load_of_windows(paths: list[Path]) -> LoadFile:
+    """Windows (each checked whole) -> their expert_tokens [L, E] summed; every window must have the
+    first one's L and E, and carry expert_tokens (a window of per-rank totals says nothing per expert)."""
+    from ..telemetry import Window, WindowError  # the planner reads windows only here
+
+    total: np.ndarray | None = None
+    slot_counts: set[int] = set()
+    for path in paths:
+        try:
+            blob = path.read_bytes()
+            window = Window.from_bytes(blob) if blob[:4] == b"MWW1" else Window.from_json(blob)
+        except OSError as exc:
+            raise FileFormatError(path, f"cannot read ({exc.strerror or exc})") from None
+        except WindowError as exc:
+            raise FileFormatError(path, f"invalid window: {exc}") from None
+        if window.expert_tokens is None:
+            raise FileFormatError(path, "expert_tokens: absent (a window of per-rank totals has no load per expert)")
+        counts = window.expert_tokens.astype(np.float64)
+        if total is not None and counts.shape != total.shape:
+            raise FileFormatError(path, f"expert_tokens: {list(counts.shape)} [layers, experts], the windows before "
+                                        f"it have {list(total.shape)}")
+        total = counts if total is None else total + counts
+        slot_counts.add(int(window.num_slots))
+    assert total is not None
+    return LoadFile(total, None, "windows", slot_counts.pop() if len(slot_counts) == 1 else None, len(paths))
 
 
 def _read_npy(path: Path) -> np.ndarray:

@@ -48,9 +48,15 @@ KEPT_BALANCED = "kept: no placement better by min_balancedness_gain"
 KEPT_NOT_PAYING = "kept: the predicted gain does not pay for the stall"
 KEPT_IDLE = "kept: no load"
 FRESH = "placed: no usable current placement (first call or a changed slot count)"
+# A recorded placement served statically (static_placement.py): no gate, the file's rows.
+STATIC_PLACED = "placed: the recorded static placement (MOEWATCH_EPLB_PLACEMENT)"
+STATIC_KEPT = "kept: the recorded static placement is in force"
 # Short names of the reasons, for metric labels and counts in a record.
 OUTCOMES = {MOVED: "moved", MOVED_LESS: "moved_less", FRESH: "placed", KEPT_BALANCED: "kept_no_better",
-            KEPT_NOT_PAYING: "kept_not_paying", KEPT_IDLE: "kept_idle"}
+            KEPT_NOT_PAYING: "kept_not_paying", KEPT_IDLE: "kept_idle", STATIC_PLACED: "placed_static",
+            STATIC_KEPT: "kept_static"}
+# The reasons of a layer whose row the decision changes.
+CHANGED = (MOVED, MOVED_LESS, FRESH, STATIC_PLACED)
 
 
 # Looser tolerances tried, per layer, when the full mending does not pay for its stall.
@@ -129,7 +135,7 @@ class RebalanceDecision:
         for layer, reason in enumerate(self.reasons):
             by_reason.setdefault(reason, []).append(layer)
         before = None if self.balancedness_before is None else float(self.balancedness_before.mean())
-        moved = sum(self.reasons.count(reason) for reason in (MOVED, MOVED_LESS, FRESH))
+        moved = sum(self.reasons.count(reason) for reason in CHANGED)
         return {
             "layers_moved": moved,
             "layers_kept": len(self.reasons) - moved,
@@ -145,7 +151,7 @@ class RebalanceDecision:
         }
 
     def _moved_mask(self) -> np.ndarray:
-        return np.array([r in (MOVED, MOVED_LESS, FRESH) for r in self.reasons], dtype=bool)
+        return np.array([r in CHANGED for r in self.reasons], dtype=bool)
 
 
 def usable_current(current: Any, num_layers: int, num_experts: int, num_slots: int,

@@ -30,6 +30,7 @@ class RebalanceHookState:
         self.settings: RebalanceSettings | None = None
         self.last_decision: RebalanceDecision | None = None
         self.fallbacks = 0
+        self.declines = 0  # calls `declined`: the engine's algorithm answered, no error
         self.records = DecisionRecords()
 
     def settings_from_env(self, environ: Mapping[str, str]) -> RebalanceSettings | None:
@@ -101,6 +102,14 @@ class RebalanceHookState:
         self.last_decision = None
         self.records.append({"engine": self.engine, **identity, "fallback": True,
                              "error": f"{type(exc).__name__}: {exc}"})
+
+    def declined(self, reason: str, **identity: Any) -> None:
+        """moewatch's answer does not fit what the engine asked (a static placement of other sizes): the
+        engine's own algorithm answered. Recorded like a fallback, counted apart from the errors (so the
+        first error is still logged); the caller warns once, naming what differs."""
+        self.declines += 1
+        self.last_decision = None
+        self.records.append({"engine": self.engine, **identity, "fallback": True, "error": reason})
 
     def take_records(self) -> list[dict[str, Any]]:
         """The records of this process's calls since the last take (decisions and fallbacks), for the

@@ -21,14 +21,24 @@ A rank that fell back to vLLM's policy returns another map, so its digest differ
 all-zero load (the profile run's, which vLLM makes once at start to size its buffers, or a window
 with no tokens) keeps the map in force and is not reported: no record, no ordinal.
 
+A static placement: with MOEWATCH_EPLB_PLACEMENT=FILE as well (a plan `moewatch plan` wrote for
+vLLM's slot count, moewatch.planner.static_placement), every call returns FILE's map instead of a
+planned one, the profile run's included, so vLLM moves to it at its first rebalance and keeps it.
+FILE is read once, here, when the plugin installs the policy (a bad file: one warning naming the
+variable, vLLM's policy stays); its shape is checked on every call against vLLM's sizes: when they
+differ, vLLM's own policy answers, with one warning naming what differs, and the call is recorded
+as a fallback. Its decided records carry `static_placement` (the file, its layers and slots).
+
 The interface is checked when the plugin loads (the policy's signature, a "default" entry); when it
 differs, vLLM's policy is left alone with one warning naming the vLLM version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import itertools
+import json
 import logging
 import os
 import threading
@@ -36,8 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance
-from moewatch.shards import policy_digest
+from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance, switched_on
+from moewatch.planner.static_placement import StaticPlacement, static_decision
 
 from .rebalance_hook import RebalanceHookState
 
@@ -53,7 +63,15 @@ _hook = RebalanceHookState("vllm", "vLLM", "vLLM's own EPLB policy", logger)
 def install_from_env(environ=os.environ) -> bool:
     """Replace vLLM's default EPLB policy when MOEWATCH_EPLB is on; True when ours is in place.
     Idempotent. Never raises: a bad setting or another interface leaves vLLM's policy in place."""
-    return _hook.install_from_env(environ, _import_policies, interface_problem, _attach)
+    if _hook.installed or not switched_on(environ):
+        return _hook.installed
+    try:
+        placement = StaticPlacement.from_env(environ)
+    except ValueError as exc:
+        logger.warning("moewatch: %s; %s stays", exc, _hook.own_algorithm)
+        return False
+    return _hook.install_from_env(environ, _import_policies, interface_problem,
+                                  lambda policies, settings: _attach(policies, settings, placement))
 
 
 def _import_policies():
@@ -62,10 +80,15 @@ def _import_policies():
     return policies
 
 
-def _attach(policies, settings: RebalanceSettings) -> None:
+def _attach(policies, settings: RebalanceSettings, placement: StaticPlacement | None = None) -> None:
     original = policies.EPLB_POLICIES["default"]
-    policies.EPLB_POLICIES["default"] = make_policy(policies.AbstractEplbPolicy, original, settings)
-    logger.info("moewatch: vLLM's EPLB policy \"default\" is moewatch's planner (settings %s)", settings.to_dict())
+    policies.EPLB_POLICIES["default"] = make_policy(policies.AbstractEplbPolicy, original, settings, placement)
+    if placement is not None:
+        logger.info("moewatch: vLLM's EPLB policy \"default\" serves the static placement %s (%d layers, %d slots)",
+                    placement.path, *placement.shape)
+    else:
+        logger.info("moewatch: vLLM's EPLB policy \"default\" is moewatch's planner (settings %s)",
+                    settings.to_dict())
 
 
 def interface_problem(policies) -> str | None:
@@ -84,9 +107,11 @@ def interface_problem(policies) -> str | None:
     return None
 
 
-def make_policy(base: type, original: type, settings: RebalanceSettings) -> type:
+def make_policy(base: type, original: type, settings: RebalanceSettings,
+                placement: StaticPlacement | None = None) -> type:
     """A subclass of vLLM's AbstractEplbPolicy whose rebalance_experts is moewatch's, with
-    `original` (vLLM's default policy) as the fallback."""
+    `original` (vLLM's default policy) as the fallback; with `placement`, it serves that placement."""
+    mismatch_warned = threading.Event()
 
     class MoewatchEplbPolicy(base):
         fallback_policy = original
@@ -95,8 +120,21 @@ def make_policy(base: type, original: type, settings: RebalanceSettings) -> type
         def rebalance_experts(cls, weight, num_replicas, num_groups, num_nodes, num_ranks,
                               old_global_expert_indices=None):
             sizes = (num_replicas, num_groups, num_nodes, num_ranks)
+            problem = None if placement is None else placement.mismatch(
+                int(weight.shape[0]), int(weight.shape[1]), int(num_replicas), int(num_ranks))
+            if problem is not None:  # the file does not fit this engine: vLLM's own answer, warned once
+                answer = original.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
+                                                    old_global_expert_indices)
+                if not mismatch_warned.is_set():
+                    mismatch_warned.set()
+                    logger.warning("moewatch: %s; %s answers every call", problem, _hook.own_algorithm)
+                identity = _reported_call(weight, sizes, old_global_expert_indices, settings, answer)
+                if identity is not None:
+                    _hook.declined(problem, **identity)
+                return answer
             try:
-                decision = decide(weight, num_replicas, num_nodes, num_ranks, old_global_expert_indices, settings)
+                decision = decide(weight, num_replicas, num_nodes, num_ranks, old_global_expert_indices, settings,
+                                  placement)
             except Exception as exc:  # never into vLLM's thread: its own policy's answer instead
                 answer = original.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
                                                     old_global_expert_indices)
@@ -109,7 +147,7 @@ def make_policy(base: type, original: type, settings: RebalanceSettings) -> type
             answer = torch.from_numpy(np.ascontiguousarray(decision.physical_to_logical_map, dtype=np.int64))
             identity = _reported_call(weight, sizes, old_global_expert_indices, settings, answer)
             if identity is not None:
-                _hook.decided(decision, **identity)
+                _hook.decided(decision, **identity, **({} if placement is None else placement.record()))
             return answer
 
     MoewatchEplbPolicy.__qualname__ = MoewatchEplbPolicy.__name__
@@ -134,21 +172,35 @@ def _reported_call(weight, sizes, old_map, settings: RebalanceSettings, answer) 
 
 def call_digest(load: np.ndarray, sizes, old_map: np.ndarray | None, settings: RebalanceSettings,
                 answer: np.ndarray) -> str:
-    """The record's `digest` of one policy call (moewatch.shards.policy_digest, which the agent
-    compares across shards): over the load [L, E], the sizes (num_replicas, num_groups, num_nodes,
-    num_ranks), the map in force [L, P] or none, the settings and the map returned [L, P']. Equal on
-    two ranks exactly when they were asked the same and answered the same."""
-    return policy_digest(load, [int(s) for s in sizes], None if old_map is None else old_map,
-                         settings.to_dict(), answer)
+    """Hex digest (sha256, 16 characters) of one policy call: the load [L, E] as float64, the sizes
+    (num_replicas, num_groups, num_nodes, num_ranks), the map in force [L, P] or none, the settings
+    and the map returned [L, P'] as int64. Equal on two ranks exactly when they were asked the same
+    and answered the same."""
+    h = hashlib.sha256(b"moewatch.eplb-call/v1")
+    for array in (np.ascontiguousarray(load, dtype=np.float64), old_map, np.ascontiguousarray(answer, dtype=np.int64)):
+        if array is None:
+            h.update(b"none")
+            continue
+        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        h.update(repr((array.dtype.str, array.shape)).encode())
+        h.update(array.tobytes())
+    h.update(json.dumps([int(s) for s in sizes]).encode())
+    h.update(json.dumps(settings.to_dict(), sort_keys=True).encode())
+    return h.hexdigest()[:16]
 
 
 def decide(weight, num_replicas: int, num_nodes: int, num_ranks: int, old_map,
-           settings: RebalanceSettings) -> RebalanceDecision:
-    """vLLM's arguments (tensors on any device) -> the decision; raises on anything unexpected."""
+           settings: RebalanceSettings, placement: StaticPlacement | None = None) -> RebalanceDecision:
+    """vLLM's arguments (tensors on any device) -> the decision (the static placement's, when one is
+    given and fits: the caller checked); raises on anything unexpected."""
     load = _numpy(weight, np.float64)
     current = None if old_map is None else _numpy(old_map, np.int64)
     nodes = int(num_nodes) if int(num_nodes) > 0 and int(num_ranks) % int(num_nodes) == 0 else 1
-    decision = gated_rebalance(load, int(num_replicas), int(num_ranks), nodes, current=current, settings=settings)
+    if placement is not None:
+        decision = static_decision(placement, load, current, int(num_ranks), nodes, settings)
+    else:
+        decision = gated_rebalance(load, int(num_replicas), int(num_ranks), nodes, current=current,
+                                   settings=settings)
     check_map(decision.physical_to_logical_map, load.shape[0], load.shape[1], int(num_replicas))
     return decision
 
@@ -163,6 +215,11 @@ def check_map(pmap: np.ndarray, num_layers: int, num_experts: int, num_replicas:
     np.add.at(counts, (np.arange(num_layers)[:, None], pmap), 1)
     if (counts == 0).any():
         raise ValueError("map leaves a logical expert without a slot")
+
+
+def installed() -> bool:
+    """Whether moewatch's policy is vLLM's "default" EPLB policy in this process (each call recorded)."""
+    return _hook.installed
 
 
 def fallbacks() -> int:
