@@ -20,6 +20,8 @@ from ..plan import Plan
 from .affinity import transitions_from_trace
 from .cost import CostModel, fit as fit_cost_model, sweep
 from .files import PLAN_FORMATS, read_affinity, read_load, read_plan, write_plan
+from .joint import even_origins, joint_prediction
+from .placement_math import contiguous_placement
 from .solve import solve_placement
 
 
@@ -79,13 +81,17 @@ class _IntList(click.ParamType):
                    "once or twice, which overfit small traces).")
 @click.option("--epoch", type=click.IntRange(min=0), default=None,
               help="Epoch of the new plan (default: the current plan's + 1, else 1).")
+@click.option("--link-rate", "link_rate", type=click.FloatRange(min=0.0, min_open=True), default=None,
+              help="Mbit/s each rank's link carries each way: report the predicted all-to-all time of the load "
+                   "under each placement (before, plan) and schedule (none, aurora); needs --hidden-bytes.")
 @click.option("--rank-speed", "rank_speed_arg", default=None, metavar="S,S,...|FILE",
               help="Speed of each GPU (any scale, e.g. pairs per second) as a comma list or a JSON file "
                    "(a list, or {\"rank_speed\": [...]}): balance each rank's time, load / speed.")
 def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path: str | None,
          current_path: str | None, fmt: str, out_path: str, as_json: bool, balancedness_floor: float,
          tolerance: float, expert_bytes: float | None, capacity_target: float | None, top_k: int,
-         hidden_bytes: int | None, discount: float, epoch: int | None, rank_speed_arg: str | None) -> None:
+         hidden_bytes: int | None, discount: float, epoch: int | None, rank_speed_arg: str | None,
+         link_rate: float | None = None) -> None:
     """Solve an expert placement from a load file and write the plan."""
     out = Path(out_path)
     if not out.parent.is_dir():
@@ -126,6 +132,13 @@ def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path
         factor = current.capacity_factor
     else:
         factor = np.zeros(L)
+    if link_rate is not None:
+        if hidden_bytes is None:
+            fail_input("--link-rate: needs --hidden-bytes (the bytes one pair moves) to turn pairs into seconds")
+        before = current.physical_to_logical_map if current is not None else contiguous_placement(
+            L, E, result.physical_to_logical_map.shape[1])
+        summary["a2a_prediction"] = a2a_prediction(loads.load, before, result.physical_to_logical_map, gpus,
+                                                   hidden_bytes, link_rate)
     new_epoch = epoch if epoch is not None else (current.epoch + 1 if current is not None else 1)
     new_plan = Plan(new_epoch, result.physical_to_logical_map, factor,
                     reason=f"moewatch plan ({result.method}) from {Path(load_path).name}",
@@ -139,6 +152,19 @@ def plan(load_path: str, gpus: int, nodes: int, slots: int | None, affinity_path
         click.echo(json.dumps(summary))
         return
     click.echo(_plan_text(summary))
+
+
+def a2a_prediction(load: np.ndarray, before: np.ndarray, after: np.ndarray, num_gpus: int, hidden_bytes: int,
+                   link_rate_mbit: float) -> dict[str, Any]:
+    """The plan report's all-to-all time of the load [L, E] (one pass, dispatch + combine, every layer)
+    under the placement before and the plan, each unscheduled and with Aurora's order (joint.py)."""
+    seconds = joint_prediction(even_origins(load, num_gpus), {"before": before, "plan": after}, float(hidden_bytes),
+                               link_rate_mbit * 1e6 / 8)
+    flat = {f"{name}+{schedule}": value for name, by in seconds.items() for schedule, value in by.items()}
+    best = min(flat, key=flat.get)
+    return {"link_rate_mbit": link_rate_mbit, "hidden_bytes": hidden_bytes, "seconds": flat, "best": best,
+            "a2a_schedule": best.split("+")[1],
+            "model": "tokens even over ranks; aurora at the bound, none by fair-share fluid sharing"}
 
 
 def _read_rank_speed(value: str, num_gpus: int) -> list[float]:
@@ -194,6 +220,11 @@ def _plan_text(s: dict[str, Any]) -> str:
     if "capacity" in s:
         cap = s["capacity"]["capacity_factor"]
         lines.append(f"capacity factor {min(cap):.3f}-{max(cap):.3f} for overflow <= {s['capacity']['target']:.1%}")
+    if "a2a_prediction" in s:
+        p = s["a2a_prediction"]
+        cells = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in p["seconds"].items())
+        lines.append(f"all-to-all per pass of the load at {p['link_rate_mbit']:g} Mbit/s ({p['model']}): {cells}; "
+                     f"best {p['best']}")
     lines.append(f"wrote {s['out']} ({s['format']})")
     return "\n".join(lines)
 

@@ -35,10 +35,8 @@ differs, vLLM's policy is left alone with one warning naming the vLLM version.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import itertools
-import json
 import logging
 import os
 import threading
@@ -48,6 +46,7 @@ import numpy as np
 
 from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance, switched_on
 from moewatch.planner.static_placement import StaticPlacement, static_decision
+from moewatch.shards import policy_digest
 
 from .rebalance_hook import RebalanceHookState
 
@@ -172,21 +171,12 @@ def _reported_call(weight, sizes, old_map, settings: RebalanceSettings, answer) 
 
 def call_digest(load: np.ndarray, sizes, old_map: np.ndarray | None, settings: RebalanceSettings,
                 answer: np.ndarray) -> str:
-    """Hex digest (sha256, 16 characters) of one policy call: the load [L, E] as float64, the sizes
-    (num_replicas, num_groups, num_nodes, num_ranks), the map in force [L, P] or none, the settings
-    and the map returned [L, P'] as int64. Equal on two ranks exactly when they were asked the same
-    and answered the same."""
-    h = hashlib.sha256(b"moewatch.eplb-call/v1")
-    for array in (np.ascontiguousarray(load, dtype=np.float64), old_map, np.ascontiguousarray(answer, dtype=np.int64)):
-        if array is None:
-            h.update(b"none")
-            continue
-        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-        h.update(repr((array.dtype.str, array.shape)).encode())
-        h.update(array.tobytes())
-    h.update(json.dumps([int(s) for s in sizes]).encode())
-    h.update(json.dumps(settings.to_dict(), sort_keys=True).encode())
-    return h.hexdigest()[:16]
+    """The record's `digest` of one policy call (moewatch.shards.policy_digest, which the agent
+    compares across shards): over the load [L, E], the sizes (num_replicas, num_groups, num_nodes,
+    num_ranks), the map in force [L, P] or none, the settings and the map returned [L, P']. Equal on
+    two ranks exactly when they were asked the same and answered the same."""
+    return policy_digest(load, [int(s) for s in sizes], None if old_map is None else old_map,
+                         settings.to_dict(), answer)
 
 
 def decide(weight, num_replicas: int, num_nodes: int, num_ranks: int, old_map,
