@@ -20,7 +20,7 @@ EVIDENCE_KINDS = ("a2a_time", "rank_load", "cross_rank", "capacity", "compute_ti
 
 # --- the agent ----------------------------------------------------------------------------------
 # What the agent decides about: the triage's actions, and undoing a plan.
-DECISION_KINDS = ("replicate", "placement", "capacity", "batch", "rollback")
+DECISION_KINDS = ("replicate", "placement", "capacity", "batch", "schedule", "rollback")
 RECOMMENDED = "recommended"  # said, not sent (recommend mode, or an engine that takes no plan)
 PROPOSED = "proposed"  # folded into the plan about to be sent (audited, counted once it is applied)
 SKIPPED = "skipped"  # a guardrail said no; the reason says which

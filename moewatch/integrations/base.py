@@ -29,6 +29,7 @@ Ingest = Callable[[Window], Optional[str]]  # ingest(window) -> the rejection re
 # (physical_to_logical_map), "capacity" a capacity factor per layer.
 PLACEMENT = "plan"
 CAPACITY = "capacity"
+SCHEDULE = "schedule"  # the all-to-all's order (Plan.a2a_schedule)
 
 
 class SourceError(InputError):

@@ -105,7 +105,8 @@ def own_rows(layout: ShardLayout, weights, on_unknown):
 
     `weights` is the process's PairWeights: ones over the first real rows of its DP rank's batch
     while a step runs. Outside dual batch overlap the weights are a view of that buffer at the rows'
-    offset (no allocation; the slice offsets depend on shapes alone, fixed in a captured graph);
+    offset (no allocation; the offsets are fixed when a CUDA graph is captured, which holds because
+    under CUDA graphs vLLM pads every DP rank to the same batch size, at capture and at replay);
     inside a micro-batch they are its forward context's non-padding rows, times the buffer's first
     entry (zero outside real steps). `on_unknown(reason)` is called for a layout not understood."""
     from vllm.forward_context import get_forward_context, is_forward_context_available

@@ -6,14 +6,15 @@ from __future__ import annotations
 from typing import Callable
 
 from ...plan import Plan
-from ..base import Actuation, ActuatorProperties, GroupKey
+from ..base import CAPACITY, PLACEMENT, SCHEDULE, Actuation, ActuatorProperties, GroupKey
 
 
 class RuntimeActuator:
     """Plans over the socket to the connected reference runtime (or any runtime speaking wire)."""
 
     name = "runtime"
-    properties = ActuatorProperties()  # live, any placement and capacity, no cost beyond the migration
+    # Live, any placement, capacity and all-to-all order, no cost beyond the migration.
+    properties = ActuatorProperties(applies=frozenset({PLACEMENT, CAPACITY, SCHEDULE}))
 
     def __init__(self, connection_of: Callable[[GroupKey], object | None]):
         self.connection_of = connection_of
