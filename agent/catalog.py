@@ -22,6 +22,7 @@ from . import metrics as _metrics
 from .metrics import actions, connections, groups, identity, jobs
 from .metrics import engine_rebalance as er
 from .metrics import rank_speed as rs
+from .metrics import rebalance_watchdog as rw
 from .metrics import shards
 from .metrics import slo
 from .metrics import windows as w
@@ -58,6 +59,7 @@ METRICS: tuple[Family, ...] = (
     actions.ACTIONS_TOTAL, actions.ROLLBACKS_TOTAL,
     er.CALLS_TOTAL, er.LAYERS_TOTAL, er.EXPERTS_MOVED_TOTAL, er.BALANCEDNESS, er.PREDICTED_STALL, er.SOLVE_SECONDS,
     er.VERDICTS_TOTAL, er.LAYERS_WORSE_TOTAL,
+    rw.INTERVAL_STEPS, rw.ASYNCHRONOUS, rw.STEPS_SINCE, rw.OVERDUE, rw.STEP_STALL,
     w.LAYER_UNHEALTHY_WINDOWS,
     # --- per sharded EP group, the shard merge
     shards.SHARD_WINDOWS_TOTAL, shards.SHARDS_MISSING_TOTAL, shards.SHARDS_REFUSED_TOTAL,

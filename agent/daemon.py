@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 
 from moewatch import __version__, checks
 from moewatch import telemetry as tm
+from moewatch.engine_rebalancing import RebalancingSettings
 from moewatch.errors import InputError
 from moewatch.integrations import registry
 from moewatch.integrations.base import Source
@@ -30,13 +31,14 @@ from moewatch.telemetry import Window
 from moewatch.triage import diagnose
 from moewatch.wire import Ack, Heartbeat, Hello
 
-from . import engine_rebalance
+from . import engine_rebalance, rebalance_watchdog
 from .actuation import ActuationWorker
 from .audit import AuditLog, jsonable
 from .config import AgentConfig
 from .controller import Controller
 from .exporters import make_registry, render
 from .metrics import engine_rebalance as engine_rebalance_metrics
+from .metrics.rebalance_watchdog import record_watch
 from .metrics.connections import (CONNECTIONS_CLOSED_TOTAL, CONNECTIONS_REFUSED_TOTAL, FRAMES_RECEIVED_TOTAL,
                                   FRAMES_REJECTED_TOTAL)
 from .metrics.groups import (GROUPS_EVICTED_TOTAL, GROUPS_RETIRED_TOTAL, RUNTIME_CONNECTED,
@@ -138,6 +140,8 @@ class Daemon:
         # group -> its engine rebalances so far, for /status (engine_rebalance.status_after); replaced,
         # never changed in place, so the HTTP thread reads a whole one
         self._rebalance_status: dict[tuple[str, str], dict[str, Any] | None] = {}
+        # group -> the watch on the engine's own rebalancing (rebalance_watchdog.py); replaced, never changed
+        self._rebalance_watch: dict[tuple[str, str], rebalance_watchdog.Watch] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -500,6 +504,7 @@ class Daemon:
             diagnosis = diagnose(window, self.cfg.thresholds)
             record_window(self.metrics, group.export, window, diagnosis, self.cfg.exporters.expert_metrics)
             self._engine_rebalance(group, window)
+            self._watch_rebalancing(group, window)
             triaged = TriagedWindow(window, diagnosis, time.time())
             if not group.add_triaged(triaged):
                 continue  # the old lineage's: exported, never counted for the new runtime
@@ -537,6 +542,30 @@ class Daemon:
             log.warning("engine rebalance made layers %s of %s/%s worse (measured balancedness %s -> %s)",
                         verdict["layers_worse"], *group.key, verdict["balancedness_before"],
                         verdict["balancedness_after"])
+
+    def _watch_rebalancing(self, group: GroupStore, window: Window) -> None:
+        """Count the engine's steps since its last rebalance against its configured interval (the
+        window's extra.rebalancing), and the stall of a rebalance's window; say when one becomes overdue."""
+        try:
+            settings = RebalancingSettings.from_extra(window.extra)
+        except (TypeError, ValueError) as exc:  # the runtime's input: left out, said at most once an interval
+            self._throttle.log(log, logging.WARNING, f"rebalancing:{group.key}",
+                               "group %s/%s: ignoring the window's rebalancing settings (%s)", *group.key, exc)
+            settings = None
+        rebalanced = bool(engine_rebalance_metrics.records_of(window))
+        before = self._rebalance_watch.get(group.key, rebalance_watchdog.Watch())
+        watch = rebalance_watchdog.step(before, settings, window.steps, rebalanced)
+        self._rebalance_watch[group.key] = watch
+        stall = rebalance_watchdog.step_stall_seconds(window.step_seconds) if rebalanced else None
+        record_watch(self.metrics, group.key, watch, stall)
+        if watch.overdue and not before.overdue:
+            log.warning("group %s/%s: no engine rebalance in %d steps (configured every %d, %s): its rebalancing "
+                        "has stopped", *group.key, watch.steps_since, watch.settings.interval_steps,
+                        watch.settings.source)
+            if self.audit is not None:
+                self.audit.record("engine_rebalance_overdue", model=group.key[0], ep_group=group.key[1],
+                                  window_end=window.end_time, steps_since=watch.steps_since,
+                                  interval_steps=watch.settings.interval_steps)
 
     @staticmethod
     def _warm_up_planner() -> None:
@@ -603,6 +632,7 @@ class Daemon:
         self.controller.forget(group.key)
         self.shards.forget(group.key)
         self._rebalance_checks.pop(group.key, None)
+        self._rebalance_watch.pop(group.key, None)
         self.metrics.remove_group(group.key)
         self.metrics[GROUPS_EVICTED_TOTAL if how == "evicted" else GROUPS_RETIRED_TOTAL].inc(())
         if self.audit is not None:
@@ -650,6 +680,10 @@ class Daemon:
             item = group.status()
             item["control"] = self.controller.status(group.key)
             item["engine_rebalance"] = self._rebalance_status.get(group.key)
+            watch = self._rebalance_watch.get(group.key)
+            item["rebalancing"] = None if watch is None or watch.settings is None else {
+                **watch.settings.to_extra()["rebalancing"], "steps_since": watch.steps_since,
+                "rebalances": watch.rebalances, "overdue": watch.overdue}
             item["shards"] = self.shards.status(group.key)
             groups.append(item)
         return {"agent": {"version": __version__, "mode": self.cfg.policy.mode, "socket": self.cfg.server.socket,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from moewatch.wire import WINDOW_LOSS_REASONS
 
-from . import actions, engine_rebalance, windows
+from . import actions, engine_rebalance, rebalance_watchdog, windows
 from .family import GROUP, Counter, Gauge, families_of
 
 if TYPE_CHECKING:
@@ -67,3 +67,4 @@ def init_group(state: MetricsState, group: tuple[str, str]) -> None:
     for family in (actions.ROLLBACKS_TOTAL, RUNTIME_FRAMES_DROPPED_TOTAL, windows.WINDOWS_TOTAL, windows.TOKENS_TOTAL):
         state[family].inc(group, 0)
     engine_rebalance.init_group(state, group)
+    rebalance_watchdog.init_group(state, group)

@@ -157,6 +157,32 @@ def take_records() -> list[dict[str, Any]]:
 
 
 def window_extra() -> dict[str, Any]:
-    """{"engine_rebalance": records} for the forward hook's next window, or {} when none is pending."""
+    """{"engine_rebalance": records} for the forward hook's next window when any is pending, and
+    {"rebalancing": SGLang's EPLB settings} when its EPLB is on (for the agent's watch on it)."""
     records = take_records()
-    return {"engine_rebalance": records} if records else {}
+    out: dict[str, Any] = {"engine_rebalance": records} if records else {}
+    settings = rebalancing_extra()
+    if settings is not None:
+        out["rebalancing"] = settings
+    return out
+
+
+_rebalancing: list[dict[str, Any] | None] = []  # read once per process (SGLang's settings do not change)
+
+
+def rebalancing_extra() -> dict[str, Any] | None:
+    """SGLang's rebalancing settings as a window's extra.rebalancing (moewatch.integrations.sglang.rebalancing),
+    None when its EPLB is off or its settings are not readable here (then said once)."""
+    if not _rebalancing:
+        from moewatch.integrations.sglang.rebalancing import rebalancing_settings
+
+        try:
+            from sglang.srt.runtime_context import get_exec
+
+            settings = rebalancing_settings(get_exec().moe, hook_installed=_hook.installed)
+        except Exception as exc:  # noqa: BLE001 - another SGLang's config: the watch is off, serving is not
+            logger.warning("moewatch: SGLang's EPLB settings unreadable (%s: %s); the agent cannot watch its "
+                           "rebalancing", type(exc).__name__, exc)
+            settings = None
+        _rebalancing.append(None if settings is None else settings.to_extra()["rebalancing"])
+    return _rebalancing[0]

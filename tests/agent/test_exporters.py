@@ -28,6 +28,8 @@ def drive(daemon, helpers, n_windows=3):
     names = ["imbalance-hot-experts", "comm-bound-volume", "overflow"][:n_windows]
     for i, name in enumerate(names):
         w = simulate(SCENARIOS[name], seed=i, start_time=1000.0 + 100 * i).replace(model="example")
+        # the engine's rebalancing settings, in each of its windows (the agent watches its rebalances)
+        w = w.replace(extra={**w.extra, "rebalancing": {"interval_steps": 3000, "asynchronous": True, "observed": True}})
         if i == 0:  # what an engine's rebalance with moewatch's EPLB policy reports in its window
             w = w.replace(extra={**w.extra, "engine_rebalance": [ENGINE_REBALANCE]})
         rt.send(w)
