@@ -127,8 +127,10 @@ class PairCounter:
         gathered batch, or a micro-batch's real rows)."""
         self._tally(self._expert_bins, topk_ids, topk_weights, pair_weights)
 
-    def add_slots(self, physical_ids: torch.Tensor, *, pair_weights: torch.Tensor | None = None) -> None:
-        self._tally(self._slot_bins, physical_ids, None, pair_weights)
+    def add_slots(self, physical_ids: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
+                  pair_weights: torch.Tensor | None = None) -> None:
+        """Count the slots the ids were mapped to, as `add` counts experts (the same pairs discarded)."""
+        self._tally(self._slot_bins, physical_ids, topk_weights, pair_weights)
 
     def _tally(self, bins: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor | None,
                pair_weights: torch.Tensor | None = None) -> None:
@@ -157,7 +159,7 @@ class PairCounter:
     def buffers(self) -> dict[str, torch.Tensor]:
         """The device tensors a flush reads, by the window field they feed. Cumulative since the
         counter was made (never zeroed: the recorder subtracts its previous read, readout.py)."""
-        out = {"expert_tokens": self.counts}
+        out = {"expert_tokens": self.counts, "discarded_pairs": self.discarded}
         if self.slot_counts is not None:
             out["slot_tokens"] = self.slot_counts
         return out

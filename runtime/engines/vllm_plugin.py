@@ -331,7 +331,12 @@ def _count_slots(router, counter, rec, rows=None) -> None:
 
     def mapped(topk_ids):
         physical = mapping(topk_ids)
-        add_slots(physical)
+        # A zero-expert router's zero experts are mapped to expert 0's slots: discarded there too
+        weights = getattr(router, "_moewatch_weights", None)
+        if weights is None:
+            add_slots(physical)
+        else:
+            add_slots(physical, weights)
         return physical
 
     router._apply_eplb_mapping = mapped
@@ -368,6 +373,7 @@ def _route_to(runner, router, count, layer_id: int) -> None:
         def routing(hidden_states, router_logits, indices_type, *args, **kwargs):
             weights, ids = compute(hidden_states, router_logits, indices_type, *args, **kwargs)
             count(ids, weights)
+            router._moewatch_weights = weights  # for the slot count of this forward (_count_slots)
             return weights, ids
 
         router._compute_routing = routing

@@ -66,13 +66,14 @@ def test_ids_outside_the_experts_go_to_the_discard_count_and_zero_experts_stay_o
     skip_padding (padding rows masked to -1 from the forward context's is_padding, DeepEP v2),
     FusedTopKBiasRouter with num_fused_shared_experts=1 (id E appended to every token, ROCm AITER's
     fused shared experts), and ZeroExpertRouter._compute_routing (LongCat's zero experts remapped to
-    expert 0 with weight 0); vLLM's topk_softmax op and zero-expert Triton kernel, absent from the CPU
-    build, are CPU stand-ins. Before: IndexError in index_add_ (a device-side assert on CUDA, which
+    expert 0 with weight 0), once more with EPLB (BaseRouter._apply_eplb_mapping, the layer's state
+    set by MoERunner.set_eplb_state); vLLM's topk_softmax op and zero-expert Triton kernel, absent
+    from the CPU build, are CPU stand-ins. Before: IndexError in index_add_ (a device-side assert on CUDA, which
     ends the engine) for the first two, expert 0 inflated by every zero-expert pair for the third."""
     out, windows, _ = run_case("routers", tmp_path)
     assert [layer["router"] for layer in out["layers"]] == ["GroupedTopKRouter", "FusedTopKBiasRouter",
-                                                            "ZeroExpertRouter"]
-    grouped, shared, zero = out["layers"]
+                                                            "ZeroExpertRouter", "ZeroExpertRouter"]
+    grouped, shared, zero, _ = out["layers"]
     assert -1 in np.array(grouped["ids"]) and np.array(shared["ids"])[:, 2].tolist() == [8] * 6
     assert zero["zero_weight_pairs"] > 0 and zero["expected"][0] > 0  # zero experts and real expert-0 pairs
     assert len(windows) == 1
@@ -80,7 +81,13 @@ def test_ids_outside_the_experts_go_to_the_discard_count_and_zero_experts_stay_o
     np.testing.assert_array_equal(window.expert_tokens, [layer["expected"] for layer in out["layers"]])
     assert window.extra["discarded_pairs"] == [layer["discarded"] for layer in out["layers"]]
     # every pair of every real token is either at an expert or discarded, none twice
-    assert (window.expert_tokens.sum(axis=1) + window.extra["discarded_pairs"] == [12, 18, 12]).all()
+    assert (window.expert_tokens.sum(axis=1) + window.extra["discarded_pairs"] == [12, 18, 12, 12]).all()
+    # With EPLB, the zero experts vLLM maps to expert 0's slots are discarded from the slot counts too,
+    # so the slots add up to the experts (else the window would break sum(slot) = sum(expert)); on the
+    # CPU vLLM's mapping passes logical ids through (its GPU kernel maps them), so slot e is expert e.
+    eplb = out["eplb_zero"]
+    assert eplb["experts"] == out["layers"][3]["expected"] and eplb["discarded"] == out["layers"][3]["discarded"]
+    assert eplb["slots"] == eplb["experts"] + [0, 0] and eplb["slots_discarded"] == eplb["discarded"]
 
 
 @pytest.mark.slow

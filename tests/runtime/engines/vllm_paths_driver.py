@@ -167,11 +167,14 @@ def routers(folder: Path) -> dict:
     has neither vLLM's topk_softmax op nor Triton: those two kernels are CPU stand-ins (softmax top-k,
     and a zero output for the zero experts' identity term); the routers' own logic runs as is."""
     os.environ["VLLM_MOE_SKIP_PADDING"] = "1"
+    from vllm.distributed.eplb.eplb_state import EplbLayerState
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.fused_moe.router import fused_topk_bias_router, zero_expert_router
     from vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router import FusedTopKBiasRouter
     from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import GroupedTopKRouter
     from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroExpertRouter
+
+    from moewatch.runtime.engines import vllm_plugin
 
     def topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output, renormalize, bias=None):
         scores = gating_output.float().softmax(-1)
@@ -195,12 +198,23 @@ def routers(folder: Path) -> dict:
                              zero_expert_type="identity", scoring_func="softmax"),
         ]
         layers = [moe_layer(i, router=router) for i, router in enumerate(made)]
+        # LongCat with EPLB: the zero-expert router's ids also go through vLLM's EPLB mapping to slots
+        with_eplb = ZeroExpertRouter(K, E + 2, e_score_correction_bias=torch.zeros(E + 2), num_logical_experts=E,
+                                     zero_expert_type="identity", scoring_func="softmax", eplb_state=EplbLayerState())
+        layers.append(moe_layer(3, router=with_eplb, enable_eplb=True, num_redundant_experts=2))
+        slots = E + 2
+        layers[3].set_eplb_state(0, torch.zeros(1, slots, dtype=torch.int32),
+                                 torch.cat([torch.arange(slots).remainder(E)[:E, None], torch.full((E, 1), -1)], 1)[None],
+                                 torch.ones(1, E, dtype=torch.long))
+        with_eplb.eplb_state.should_record_tensor = torch.tensor(True)
+        with_eplb.eplb_state.num_unpadded_tokens_tensors = [torch.tensor(N, dtype=torch.int32)]
         g = torch.Generator().manual_seed(1)
         padding = torch.tensor([False] * (N - 2) + [True, True])  # DP padding rows inside the batch
         hidden = torch.randn(N, HIDDEN, generator=g)
         logits = [torch.randn(N, E, generator=g), torch.randn(N, E, generator=g), torch.randn(N, E + 2, generator=g)]
         logits[2][:, E:] += 1.5  # zero experts win often, and so does expert 0 (whose pairs must stay apart)
         logits[2][:, 0] += 1.5
+        logits.append(logits[2])
         for layer, row in zip(layers, logits):
             with set_forward_context(None, config, num_tokens=N, is_padding=padding):
                 ids_seen = []
@@ -217,8 +231,9 @@ def routers(folder: Path) -> dict:
             out["layers"].append({"router": type(layer.router).__name__, "ids": ids.tolist(),
                                   "expected": histogram(routed, weights[:, :K]),
                                   "discarded": outside + zero_weight, "zero_weight_pairs": zero_weight})
-    from moewatch.runtime.engines import vllm_plugin
-
+        counter = vllm_plugin.recorder().counters[3]  # the EPLB layer's expert and slot counts, as counted
+        out["eplb_zero"] = {"experts": counter.counts.tolist(), "discarded": int(counter.discarded),
+                            "slots": counter.slot_counts.tolist(), "slots_discarded": int(counter.slot_discarded)}
     vllm_plugin.close()
     return out
 
