@@ -171,3 +171,29 @@ def test_windows_carry_what_an_adapter_has_pending_and_nothing_when_it_has_none(
     assert seen[0].extra["engine_rebalance"] == [{"layers_moved": 1}, {"layers_moved": 2}] and records.dropped == 1
     assert "engine_rebalance" not in seen[1].extra
     assert Window.from_json(seen[0].to_json()).extra["engine_rebalance"] == [{"layers_moved": 1}, {"layers_moved": 2}]
+
+
+def test_ids_outside_the_experts_go_to_the_discard_bin_in_place_and_under_compile():
+    """-1 (padding rows a router masks), ids >= E, columns a router appends after its top-k (fused
+    shared experts) and, with the router's weights, pairs of weight 0 (a zero-expert router's) land in
+    the discard bin: never an index out of range (an IndexError here, a device-side assert on CUDA).
+    The ids the engine uses are left as they were; the bins and scratch keep their storage."""
+    weights = common.PairWeights(max_tokens=8, top_k=2, device="cpu")
+    counter = common.PairCounter(4, weights)
+    weights.arm(3)
+    ids = torch.tensor([[0, -1], [3, 7], [2, 2], [1, 1]], dtype=torch.int32)  # the last row: not armed
+    kept = ids.clone()
+    storage = (counter.counts.data_ptr(), weights.scratch.data_ptr())
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def route(topk_ids):
+        counter.add(topk_ids)
+
+    route(ids)
+    assert counter.counts.tolist() == [1, 0, 2, 1] and counter.discarded.tolist() == [2]
+    counter.add(torch.tensor([[0, 1, 4], [3, 2, 4], [1, 1, 4]]))  # a fused shared expert appended: id E
+    assert counter.counts.tolist() == [2, 3, 3, 2] and counter.discarded.tolist() == [5]
+    counter.add(torch.tensor([[0, 1], [0, 2], [0, 0]]), torch.tensor([[0.5, 0.0], [0.0, 0.3], [0.2, 0.1]]))
+    assert counter.counts.tolist() == [5, 3, 4, 2] and counter.discarded.tolist() == [7]
+    assert torch.equal(ids, kept) and (counter.counts.data_ptr(), weights.scratch.data_ptr()) == storage
+    assert counter.buffers()["discarded_pairs"] is counter.discarded
