@@ -52,6 +52,9 @@ class PlanInFlight:
     previous_map: np.ndarray  # [L, P] the whole state before, for a rollback
     previous_capacity: np.ndarray  # [L]
     rollback_of: int | None = None  # the epoch this plan undoes
+    # The all-to-all order before this plan, when the plan sets one ("none" when the agent never set it:
+    # the runtime's default), for a rollback.
+    previous_schedule: str | None = None
     # The rank speeds the group's placement was made for before this plan (None: equal speeds), and
     # whether this plan changes the placement and for which speeds.
     speeds_before: np.ndarray | None = None
@@ -75,6 +78,7 @@ class GroupControl:
     rollbacks: int = 0
     stall_per_slot: float | None = None  # from the Acks, a moving average
     placed_speeds: np.ndarray | None = None  # [W] the speeds the placement in force was made for (None: equal)
+    a2a_schedule: str | None = None  # the all-to-all order an acknowledged plan set (None: the runtime's start)
     # Each rank's measured speed and whether it is persistently slow (rank_speed.py), over every epoch:
     # a device's speed does not depend on the placement.
     speeds: rank_speed.RankSpeedState = field(default_factory=rank_speed.RankSpeedState)
@@ -144,7 +148,8 @@ class Controller:
                 fit_windows=group.recent(),
                 rank_speed=rank_speed.steady_speeds(rank_speed.planning_speeds(ctl.speeds), ctl.placed_speeds,
                                                     self.params.rank_speed),
-                slow_ranks=ctl.speeds.slow_ranks, placed_for_speeds=ctl.placed_speeds is not None)
+                slow_ranks=ctl.speeds.slow_ranks, placed_for_speeds=ctl.placed_speeds is not None,
+                a2a_schedule=ctl.a2a_schedule)
             proposal = policy.decide(view, self.params.policy, now)
             for d in proposal.decisions:
                 if d.result in ("skipped", "recommended"):
@@ -155,7 +160,8 @@ class Controller:
                 self._send(group, ctl, proposal.physical_to_logical_map, proposal.capacity_factor,
                            proposal.reason, [d for d in proposal.decisions if d.result == "proposed"],
                            proposal.baseline, proposal.changed_layers,
-                           np.array(latest.physical_to_logical_map), np.array(latest.capacity_factor), now)
+                           np.array(latest.physical_to_logical_map), np.array(latest.capacity_factor), now,
+                           a2a_schedule=proposal.a2a_schedule)
             return proposal
 
     def submit(self, group: GroupStore, physical_to_logical_map: np.ndarray, capacity_factor: np.ndarray,
@@ -186,7 +192,7 @@ class Controller:
     def _send(self, group: GroupStore, ctl: GroupControl, pmap: np.ndarray, cap: np.ndarray, reason: str,
               decisions: list[policy.Decision], baseline: dict[int, verification.LayerBaseline],
               changed: tuple[int, ...], previous_map: np.ndarray, previous_cap: np.ndarray, now: float,
-              rollback_of: int | None = None) -> Plan | None:
+              rollback_of: int | None = None, a2a_schedule: str | None = None) -> Plan | None:
         hello = group.hello
         epoch = group.next_epoch()
         meta = {"source": "moewatch-agent", "changed_layers": list(changed),
@@ -194,7 +200,7 @@ class Controller:
         if rollback_of is not None:
             meta["rollback_of"] = rollback_of
         try:
-            plan = Plan(epoch, pmap, cap, reason, meta)
+            plan = Plan(epoch, pmap, cap, reason, meta, a2a_schedule)
             plan.check_against(hello.num_layers, hello.num_experts, hello.num_slots, hello.world_size)
         except PlanError as exc:  # a planner bug must not reach a runtime
             for d in decisions:
@@ -204,7 +210,8 @@ class Controller:
         flight = PlanInFlight(plan, now, decisions, baseline, changed, previous_map, previous_cap, rollback_of,
                               speeds_before=ctl.placed_speeds,
                               changes_placement=any(d.kind in policy.PLACEMENT_KINDS for d in decisions),
-                              planned_speeds=_planned_speeds(baseline))
+                              planned_speeds=_planned_speeds(baseline),
+                              previous_schedule=None if a2a_schedule is None else (ctl.a2a_schedule or "none"))
         ctl.in_flight = flight
         ctl.plan_times.append(now)
         self._record(group, "plan_sent", epoch=epoch, reason=reason, layers=list(changed),
@@ -263,6 +270,8 @@ class Controller:
                 group.epoch_in_force = max(group.epoch_in_force, ack.epoch_in_force)
                 group.note_epoch(ack.epoch_in_force)
             flight.acked_at = now
+            if flight.plan.a2a_schedule is not None:
+                ctl.a2a_schedule = flight.plan.a2a_schedule
             if flight.changes_placement:
                 ctl.placed_speeds = flight.planned_speeds
             for layer in flight.changed_layers:
@@ -368,7 +377,8 @@ class Controller:
             self._send(group, ctl, flight.previous_map, flight.previous_capacity,
                        f"rollback of epoch {flight.plan.epoch}: {outcome.reason}", [], {},
                        flight.changed_layers, np.array(latest.physical_to_logical_map),
-                       np.array(latest.capacity_factor), now, rollback_of=flight.plan.epoch)
+                       np.array(latest.capacity_factor), now, rollback_of=flight.plan.epoch,
+                       a2a_schedule=flight.previous_schedule)
             if ctl.in_flight is not None and ctl.in_flight.rollback_of == flight.plan.epoch:
                 # The old placement comes back, and with it what it was made for.
                 ctl.in_flight.changes_placement = True

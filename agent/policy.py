@@ -99,6 +99,7 @@ class Proposal:
     changed_layers: tuple[int, ...] = ()
     baseline: dict[int, LayerBaseline] = field(default_factory=dict)
     reason: str = ""
+    a2a_schedule: str | None = None  # the all-to-all order the plan sets (None: keeps the one in force)
 
     @property
     def has_plan(self) -> bool:
@@ -131,6 +132,9 @@ class GroupView:
     # The placement in force was made for rank speeds: when none is slow any more, every layer is
     # re-planned for equal speeds (back towards an even split).
     placed_for_speeds: bool = False
+    # The all-to-all order in force as far as the agent knows (a plan it had acknowledged set it);
+    # None: the runtime's own start.
+    a2a_schedule: str | None = None
 
     @property
     def speed_replan(self) -> bool:
@@ -178,7 +182,8 @@ def _decide(view: GroupView, params: PolicyParams, now: float) -> Proposal:
     decisions, placement_layers, capacity_values = choose_levers(view, params, evidence, now)
     placed, placement_decisions = placement_proposals(view, params, evidence, placement_layers, current_map)
     capped, capacity_decisions = capacity_proposals(params, evidence, capacity_values, current_cap)
-    pending = placement_decisions + capacity_decisions
+    scheduled, schedule_decisions = schedule_proposals(view, params, evidence, now)
+    pending = placement_decisions + capacity_decisions + schedule_decisions
     decisions += [d for d in pending if d.result == "skipped"]
     pending = [d for d in pending if d.result == "proposed"]
     if not pending:
@@ -206,6 +211,8 @@ def _decide(view: GroupView, params: PolicyParams, now: float) -> Proposal:
     for layer, value in capped.items():
         new_cap[layer] = value
         kinds.setdefault(layer, "capacity")
+    for layer in scheduled:
+        kinds.setdefault(layer, "schedule")
     # A layer placed for rank speeds is verified by time only (verification.py).
     baseline = {layer: make_baseline(evidence, layer, current_map[layer], float(current_cap[layer]), view.num_gpus,
                                      view.rank_speed if layer in placed else None)
@@ -213,7 +220,41 @@ def _decide(view: GroupView, params: PolicyParams, now: float) -> Proposal:
     summary = "; ".join(f"layer {layer}: {kind}" for layer, kind in sorted(kinds.items()))
     if placed and view.rank_speed is not None:
         summary += " (placed for rank speeds " + "/".join(f"{x:.2f}" for x in view.rank_speed) + ")"
-    return Proposal(decisions, new_map, new_cap, tuple(sorted(kinds)), baseline, summary)
+    schedule = "aurora" if scheduled and result == "proposed" else None
+    return Proposal(decisions, new_map, new_cap, tuple(sorted(kinds)), baseline, summary, schedule)
+
+
+def schedule_proposals(view: GroupView, params: PolicyParams, evidence: Sequence[TriagedWindow], now: float
+                       ) -> tuple[tuple[int, ...], list[Decision]]:
+    """The all-to-all order as a lever: layers whose comm-bound / volume verdict held for the last K
+    windows and whose triage asks for `schedule` (the window carried the bound, and the time is far
+    above it). The order is the group's, not a layer's: one plan field switches every layer, and the
+    layers that asked are the ones verification judges. Returns (those layers, their decisions)."""
+    if view.a2a_schedule == "aurora":
+        return (), []
+    k = len(evidence)
+    latest = evidence[-1].diagnosis
+    verdicts = persistent_verdicts(evidence, k)
+    layers, decisions = [], []
+    for layer, (verdict, cause) in sorted(verdicts.items()):
+        action = next((a for a in latest.layers[layer].actions if a.kind == "schedule"), None)
+        if action is None:
+            continue
+        numbers = {"a2a_over_bound": latest.layers[layer].metrics["a2a_over_bound"],
+                   "a2a_share": latest.layers[layer].metrics["a2a_share"]}
+        since = view.last_change.get(layer)
+        if "schedule" not in view.capabilities:
+            decisions.append(Decision("schedule", (layer,), "skipped", f"{_label(verdict, cause)}: the runtime "
+                                      "does not take an all-to-all order", numbers))
+        elif since is not None and now - since < params.cooldown_seconds:
+            decisions.append(Decision("schedule", (layer,), "skipped", f"{_label(verdict, cause)}: layer in cooldown "
+                                      f"for another {params.cooldown_seconds - (now - since):.0f} s", numbers))
+        else:
+            layers.append(layer)
+            decisions.append(Decision("schedule", (layer,), "proposed", f"{_label(verdict, cause)}: {action.summary}",
+                                      numbers, {"a2a_schedule": "aurora",
+                                                "predicted_gain": round(float(action.predicted_gain or 0.0), 4)}))
+    return tuple(layers), decisions
 
 
 def _recommend_only(view: GroupView, params: PolicyParams, now: float, note: str) -> Proposal:
