@@ -272,6 +272,7 @@ def _bind(runner) -> None:
     eplb = getattr(router, "eplb_state", None)
     num_slots = runner.moe_config.num_experts if eplb is not None else 0
     counter = rec.counter(layer_id, num_slots)
+    _state.setdefault("bound", {}).setdefault(id(rec), {})[layer_id] = runner  # its model state: _eplb_map_of
     rows = None
     if _state.get("layout") is not None:  # a share of the group's tokens: count this process's own rows
         rows = vllm_layout.own_rows(_state["layout"], rec.weights, observation_off)
@@ -459,8 +460,10 @@ def _wrap_monolithic() -> None:
 def _drafting_model() -> bool:
     """True while vLLM builds a drafter's model (an MTP, EAGLE or draft model): it builds every drafter
     under a model tag of its own (set_model_tag), the target model under the default one."""
-    from vllm.compilation import backends
-
+    try:
+        from vllm.compilation import backends
+    except ImportError:  # a build without vLLM's compile backends: no drafter tag to read
+        return False
     return getattr(backends, "model_tag", "backbone") != "backbone"
 
 
@@ -549,12 +552,15 @@ def _eplb_map_of(rec):
         runner = _state.get("model_runner")
         states = getattr(getattr(runner, "eplb_state", None), "model_states", None) or {}
         if "key" not in cached or cached["key"] not in states:
-            ids = sorted(rec.counters)
+            ids, bound = sorted(rec.counters), _state.get("bound", {}).get(id(rec), {})
             for key, state in states.items():
-                position = {getattr(layer, "layer_id", None): i for i, layer in enumerate(state.model.moe_layers)}
-                if all(i in position for i in ids):
-                    rows = [position[i] for i in ids]
-                    cached.update(key=key, rows=None if rows == list(range(len(position))) else rows)
+                # the state's model holds these very layers (a model lists its MoE layers, or their blocks)
+                position = {}
+                for i, layer in enumerate(state.model.moe_layers):
+                    position[id(layer)] = position[id(getattr(layer, "experts", layer))] = i
+                rows = [position.get(id(bound.get(i))) for i in ids]
+                if ids and None not in rows:
+                    cached.update(key=key, rows=None if rows == list(range(len(state.model.moe_layers))) else rows)
                     break
             else:
                 return None

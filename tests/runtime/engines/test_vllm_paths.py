@@ -110,7 +110,7 @@ def test_a_drafter_registered_first_counts_apart_against_its_own_map(tmp_path):
     np.testing.assert_array_equal(target.expert_tokens, out["target_expected"])
     assert target.slot_tokens is not None and target.steps == 1
     # The drafter's window: its layer, the drafter's map, the real tokens of its padded forwards.
-    assert draft.extra["layer_ids"] == [2]
+    assert draft.extra["layer_ids"] == [0]  # the drafter's own layer 0, not the target's
     np.testing.assert_array_equal(draft.physical_to_logical_map, out["draft_map"])
     np.testing.assert_array_equal(draft.expert_tokens, [out["draft_expected"]])
     assert draft.expert_tokens.sum() == (4 + 2) * 2 and draft.steps == 1

@@ -56,11 +56,11 @@ def vllm_context(folder: Path, *, eplb: bool = False):
         yield config
 
 
-def moe_layer(layer: int, **options):
+def moe_layer(layer: int, model: str = "model", **options):
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
     return FusedMoEFactory(num_experts=E, top_k=K, hidden_size=HIDDEN, intermediate_size=64,
-                           params_dtype=torch.float32, prefix=f"model.layers.{layer}.mlp.experts", **options)
+                           params_dtype=torch.float32, prefix=f"{model}.layers.{layer}.mlp.experts", **options)
 
 
 def step(config, tokens: int, forwards) -> None:
@@ -242,7 +242,7 @@ def routers(folder: Path) -> dict:
 
 def drafter(folder: Path) -> dict:
     """The target's two MoE layers and a drafter's one (built under vLLM's set_model_tag, as every
-    drafter is), each model with its EPLB state added by vLLM's EplbState.add_model, the drafter's
+    drafter is; its layer index 0, the same as the target's first layer), each model with its EPLB state added by vLLM's EplbState.add_model, the drafter's
     first (as GPUModelRunner.load_model does); the target's map then rearranged by vLLM's own
     _commit_eplb_maps. A target step routes N tokens through both target layers; a proposal runs the
     drafter's layer twice, padded (4 real of 8 rows, then 2 real of 4), through the plugin's proposal
@@ -272,7 +272,8 @@ def drafter(folder: Path) -> dict:
         target = Model([moe_layer(0, enable_eplb=True, num_redundant_experts=2),
                         moe_layer(1, enable_eplb=True, num_redundant_experts=2)])
         with set_model_tag("eagle_head"):
-            draft = Model([moe_layer(2, enable_eplb=True, num_redundant_experts=2)])
+            # its layer index 0, as the target's first: told apart by the model, not the index
+            draft = Model([moe_layer(0, "draft_model", enable_eplb=True, num_redundant_experts=2)])
         state = EplbState(config.parallel_config, torch.device("cpu"))
         state.add_model(draft, SimpleNamespace(compute_hash=lambda: "draft", model="tiny (draft)"),
                         model_name="tiny (draft)")
