@@ -172,13 +172,16 @@ _rebalancing: list[dict[str, Any] | None] = []  # read once per process (SGLang'
 
 def rebalancing_extra() -> dict[str, Any] | None:
     """SGLang's rebalancing settings as a window's extra.rebalancing (moewatch.integrations.sglang.rebalancing),
-    None when its EPLB is off or its settings are not readable here (then said once)."""
+    None when its EPLB is off, before SGLang publishes its settings, or when they are not readable here
+    (then said once)."""
     if not _rebalancing:
         from moewatch.integrations.sglang.rebalancing import rebalancing_settings
 
         try:
-            from sglang.srt.runtime_context import get_exec
+            from sglang.srt.runtime_context import get_context, get_exec
 
+            if not get_context().is_config_namespace_published("exec"):
+                return None  # not an SGLang server process yet: asked again at the next window
             settings = rebalancing_settings(get_exec().moe, hook_installed=_hook.installed)
         except Exception as exc:  # noqa: BLE001 - another SGLang's config: the watch is off, serving is not
             logger.warning("moewatch: SGLang's EPLB settings unreadable (%s: %s); the agent cannot watch its "
