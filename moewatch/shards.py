@@ -117,10 +117,22 @@ def agreement(shards: Sequence[Window]) -> tuple[list[Window], list[tuple[Window
     return groups[chosen], sorted(refused, key=lambda item: item[0].shard.index)
 
 
+def counts_received(w: Window) -> bool:
+    """Whether the shard's slot counts are what its rank's slots received from every rank (a source
+    that sees only its own slots' receptions says `extra.source.counts = "received"`), not what its
+    own tokens routed: summed over shards they are still each slot's load, but they form no row of
+    the rank-to-rank traffic."""
+    source = w.extra.get("source")
+    return isinstance(source, dict) and source.get("counts") == "received"
+
+
 def source_slot_tokens(w: Window) -> np.ndarray | None:
     """[L, P] pairs per slot that the shard's tokens made: its slot_tokens, or, where every logical
     expert has exactly one slot (P = E), its kept pairs per expert through the map, when capacity
-    is known to move none (dropless, or no rerouted pairs). None when neither can be said."""
+    is known to move none (dropless, or no rerouted pairs). None when neither can be said, or when
+    the counts are receptions (`counts_received`)."""
+    if counts_received(w):
+        return None
     if w.slot_tokens is not None:
         return w.slot_tokens
     if w.expert_tokens is None or w.num_slots != w.num_experts:
@@ -206,7 +218,8 @@ def merge_shards(shards: Sequence[Window], missing: Iterable[int] = (), refused:
 
     Counts (expert, slot, dropped, rerouted, rank totals) are summed; a field some shard lacks is
     absent. The rank-to-rank `traffic` [L, W, W] and local / sent / received [L, W] are built from each
-    shard's source rank and its slot counts (`source_slot_tokens`); absent when a shard has neither.
+    shard's source rank and its slot counts (`source_slot_tokens`); absent when a shard has neither
+    or counts receptions (then the slot counts are still summed, when every shard has them).
     Timings [L, W] are taken per column from the shard that routed that rank, and are absent unless
     the shards cover every rank (a rank nobody measured is unknown, not idle). start = min, end =
     max, steps = max; step seconds per step the slowest shard and step tokens summed, when all that
@@ -244,7 +257,8 @@ def merge_shards(shards: Sequence[Window], missing: Iterable[int] = (), refused:
         fields.update(slot_tokens=np.sum(sources, axis=0), traffic=traffic, local_tokens=local,
                       sent_tokens=traffic.sum(axis=2) - local, received_tokens=traffic.sum(axis=1) - local)
     else:
-        fields.update(slot_tokens=None, traffic=None, local_tokens=None, sent_tokens=None, received_tokens=None)
+        fields.update(slot_tokens=_summed(shards, "slot_tokens"), traffic=None, local_tokens=None,
+                      sent_tokens=None, received_tokens=None)
 
     covered = {i.rank for i in infos} == set(range(W))
     for name in TIMING_FIELDS:

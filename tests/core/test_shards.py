@@ -141,6 +141,32 @@ def test_logical_shards_with_replicas_carry_no_invented_rank_counts():
     assert "rank_load" in merged.missing_evidence
 
 
+def test_shards_that_count_receptions_keep_slot_loads_but_form_no_traffic_rows():
+    """A source that sees what its rank's slots received (SGLang's DeepEP low-latency gatherers without
+    moewatch's routed counts: extra.source.counts = "received") sends each rank's own slots' loads:
+    summed they are the slot loads, but no shard is a source row, so no traffic is built from them."""
+    pairs = routed_pairs(seed=5)
+    whole = window_from_pairs(pairs, list(range(W)), timed=False)
+    shards = []
+    for r in range(W):
+        own_slots = np.where(SLOT_RANK[None, :] == r, whole.slot_tokens, 0)
+        pmap_experts = np.zeros((L, E), np.int64)
+        np.add.at(pmap_experts, (np.arange(L)[:, None], PMAP), own_slots)
+        shards.append(Window(**{**{n: getattr(whole, n) for n in SCALAR_FIELDS},
+                                "physical_to_logical_map": PMAP, "expert_tokens": pmap_experts,
+                                "slot_tokens": own_slots, "capacity_factor": np.zeros(L),
+                                "dropped_tokens": np.zeros((L, E), np.int64),
+                                "rerouted_tokens": np.zeros((L, E), np.int64),
+                                "extra": {"source": {"counts": "received"},
+                                          "shard": {"index": r, "count": W, "rank": r, "sequence": 1}}}))
+    assert all(sh.counts_received(s) for s in shards)
+    merged = sh.merge_shards(shards)
+    np.testing.assert_array_equal(merged.slot_tokens, whole.slot_tokens)
+    np.testing.assert_array_equal(merged.expert_tokens, whole.expert_tokens)
+    assert merged.traffic is None and merged.local_tokens is None and merged.sent_tokens is None
+    assert "cross_rank" in merged.missing_evidence and "rank_load" not in merged.missing_evidence
+
+
 def test_traffic_row_is_each_shards_source_rank_and_slots_count_on_their_rank():
     slot_counts = [np.zeros((1, 8), np.int64), np.zeros((1, 8), np.int64)]
     slot_counts[0][0, [0, 5, 7]] = [3, 2, 1]  # shard from rank 1: slots 0 (rank 0), 5 (rank 2), 7 (rank 3)
