@@ -32,34 +32,17 @@ import transformers
 from moewatch.shards import merge_sequence
 from moewatch.telemetry import Window, validate
 from moewatch.tools.bench.vllm import openai_server_command, save_random_moe, save_word_tokenizer
+from test_vllm_plugin import EXPERTS, TOP_K, VOCAB, transformers_histogram  # the single-rank test's reference
 
 REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 CPU_DP_COLLECTIVES = Path(__file__).parent / "vllm_cpu_dp"  # sitecustomize.py: see the docstring
-EXPERTS, TOP_K, VOCAB = 16, 2, 512
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def transformers_histogram(model_dir: Path, sequences: list[list[int]]) -> np.ndarray:
-    """[L, E] pairs per layer and expert: transformers' own router on each sequence, top-k of its logits."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
-    logits: dict[int, torch.Tensor] = {}
-    for i, router in enumerate(routers):
-        router.register_forward_hook(lambda m, a, out, i=i: logits.__setitem__(i, out[0]))
-    counts = np.zeros((len(routers), EXPERTS), dtype=np.int64)
-    with torch.no_grad():
-        for seq in sequences:
-            model(input_ids=torch.tensor([seq]))
-            for i in range(len(routers)):
-                chosen = torch.topk(logits[i], TOP_K, dim=-1).indices
-                counts[i] += np.bincount(chosen.reshape(-1).numpy(), minlength=EXPERTS)
-    return counts
 
 
 def tokens_written(folder: Path) -> int:
