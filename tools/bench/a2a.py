@@ -135,6 +135,7 @@ def bench_rank(rank: int, world_size: int, arms: list[tuple[str, RuntimeConfig]]
             out[name]["digest"].update(y.numpy().tobytes())
             out[name]["final"] = y.numpy()
     return {name: {"a2a_spans": engine.exchange.log.spans, "a2a_bounds": engine.bound_log,
+                   "a2a_schedule": engine.exchange.schedule,
                    "output_digest": out[name]["digest"].hexdigest(), "final_output": out[name]["final"],
                    "step_seconds": out[name]["step_seconds"], "pairs": engine.pair_counts().__dict__}
             for name, (engine, _, _) in engines.items()}
