@@ -71,6 +71,9 @@ def main(placement_file, no_probe, socket_path, as_json, collective_timeout, inj
         if _given(ctx, name) and options[name] != value:
             runtime_cli._fail(f"{flag}: {options[name]} contradicts torchrun's layout ({value}); leave it out")
     options.update(ranks=world, ranks_per_node=per_node)
+    if options.get("link_rate_mbit") is not None:
+        # The emulated links put each rank in a namespace as the launcher spawns it; torchrun spawns here.
+        runtime_cli._fail("--link-rate: emulated links need `moewatch runtime` to spawn the ranks, not torchrun")
     inject = None
     if inject_migration_failure:
         try:

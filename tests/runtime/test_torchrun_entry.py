@@ -39,6 +39,7 @@ def test_a_bad_torchrun_environment_is_named(change, named):
     (TORCHRUN, ["--experts", "4", "--top-k", "5"], "--top-k"),
     (TORCHRUN, ["--socket", "tcp://nowhere"], "--socket"),
     (TORCHRUN, ["--inject-migration-failure", "{"], "--inject-migration-failure"),
+    (TORCHRUN, ["--link-rate", "100"], "--link-rate: emulated links need `moewatch runtime` to spawn the ranks"),
 ])
 def test_bad_input_exits_2_with_one_line(monkeypatch, env, args, named):
     for key in TORCHRUN:
