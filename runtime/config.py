@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from moewatch.errors import ConfigError
+from moewatch.plan import A2A_SCHEDULES
 
 OVERFLOW_POLICIES = ("drop", "reroute")
 WORKLOADS = ("zipf", "drift", "trace")
@@ -23,7 +24,6 @@ SCORES = ("softmax", "sigmoid")
 KERNELS = ("torch", "triton")
 BACKENDS = ("gloo", "nccl")
 DTYPES = ("float32", "bfloat16", "float16")
-A2A_SCHEDULES = ("none", "aurora")
 
 
 @dataclass

@@ -28,11 +28,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moewatch.plan import A2A_SCHEDULES
 from moewatch.planner.a2a_schedule import A2ASchedule, plan_exchange, transfer_bound_seconds
 
 from .placement import ReplicaTable, choose_slots
-
-SCHEDULES = ("none", "aurora")
 
 
 @dataclass
@@ -63,8 +62,8 @@ class Exchange:
     most_rounds: int = 0
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule not in A2A_SCHEDULES:
+            raise ValueError(f"schedule: expected one of {', '.join(A2A_SCHEDULES)}, got {self.schedule!r}")
 
     @property
     def gathers(self) -> bool:

@@ -17,10 +17,9 @@ from typing import Mapping
 
 import numpy as np
 
+from ..plan import A2A_SCHEDULES
 from .a2a_schedule import exchange_seconds
 from .origins import rank_matrices
-
-SCHEDULES = ("none", "aurora")
 
 
 def joint_prediction(origin_load: np.ndarray, placements: Mapping[str, np.ndarray], row_bytes: float,
@@ -33,7 +32,7 @@ def joint_prediction(origin_load: np.ndarray, placements: Mapping[str, np.ndarra
     for name, pmap in placements.items():
         mats = np.rint(rank_matrices(origin_load, pmap)).astype(np.int64)
         out[name] = {schedule: float(2.0 * exchange_seconds(mats, row_bytes, link_bytes_per_second, schedule).sum())
-                     for schedule in SCHEDULES}
+                     for schedule in A2A_SCHEDULES}
     return out
 
 
