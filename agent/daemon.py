@@ -552,7 +552,7 @@ class Daemon:
             self._throttle.log(log, logging.WARNING, f"rebalancing:{group.key}",
                                "group %s/%s: ignoring the window's rebalancing settings (%s)", *group.key, exc)
             settings = None
-        rebalanced = bool(engine_rebalance_metrics.records_of(window))
+        rebalanced = rebalance_watchdog.rebalance_calls(window.extra) > 0
         before = self._rebalance_watch.get(group.key, rebalance_watchdog.Watch())
         watch = rebalance_watchdog.step(before, settings, window.steps, rebalanced)
         self._rebalance_watch[group.key] = watch

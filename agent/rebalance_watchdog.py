@@ -50,6 +50,15 @@ def step(watch: Watch, settings: RebalancingSettings | None, steps: int, rebalan
     return Watch(settings, watch.steps_since + max(int(steps), 0), watch.rebalances)
 
 
+def rebalance_calls(extra: dict) -> int:
+    """The rebalances a window's extra records (extra.engine_rebalance): every record that names its engine,
+    whoever's policy answered (moewatch's decisions and fallbacks, the engine's own policy's calls)."""
+    records = extra.get("engine_rebalance")
+    if not isinstance(records, list):
+        return 0
+    return sum(1 for r in records if isinstance(r, dict) and isinstance(r.get("engine"), str))
+
+
 def step_stall_seconds(step_seconds: np.ndarray | None) -> float | None:
     """[S] seconds of each step of the window that carried a rebalance -> how much longer its longest
     step ran than the window's median step (a blocking rebalance runs inside one step); None with fewer

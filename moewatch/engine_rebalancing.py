@@ -62,3 +62,33 @@ class RebalancingSettings:
         if "interval_steps" not in known:
             raise ValueError(f"extra.{KEY}.interval_steps: missing")
         return cls(**known)
+
+
+def observed_rebalance(load: Any, before: Any, after: Any, num_ranks: int,
+                       expert_bytes: float | None = None) -> dict[str, Any]:
+    """What one rebalance by the engine's own policy did, for its record: [L, E] load it rebalanced on,
+    [L, P] map before (None, another slot count or a slot marked -1: not comparable) and [L, P'] map
+    after, W ranks -> {"layers_changed": [l...], "slots_moved", "bytes_moved" (with expert_bytes, else
+    None), "balancedness_before" (None when not comparable), "balancedness_after" (mean over layers,
+    the load spread evenly over each expert's replicas), "map_changes": {l: [before row, after row]} for
+    each changed layer}."""
+    import numpy as np
+
+    from .planner.placement_math import placement_balancedness
+
+    load_arr = np.asarray(load, dtype=np.float64)
+    new = np.asarray(after, dtype=np.int64)
+    old = None if before is None else np.asarray(before, dtype=np.int64)
+    comparable = old is not None and old.shape == new.shape and old.min() >= 0 and old.max() < load_arr.shape[1]
+    changed = (old != new).any(axis=1) if comparable else np.ones(new.shape[0], dtype=bool)
+    slots = int((old != new).sum()) if comparable else int(new.size)
+    layers = [int(layer) for layer in np.flatnonzero(changed)]
+    return {
+        "layers_changed": layers,
+        "slots_moved": slots,
+        "bytes_moved": None if expert_bytes is None else float(slots * expert_bytes),
+        "balancedness_before": float(placement_balancedness(load_arr, old, num_ranks).mean()) if comparable else None,
+        "balancedness_after": float(placement_balancedness(load_arr, new, num_ranks).mean()),
+        "map_changes": {str(layer): [old[layer].tolist() if comparable else None, new[layer].tolist()]
+                        for layer in layers},
+    }

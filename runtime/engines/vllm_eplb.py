@@ -29,6 +29,13 @@ variable, vLLM's policy stays); its shape is checked on every call against vLLM'
 differ, vLLM's own policy answers, with one warning naming what differs, and the call is recorded
 as a fallback. Its decided records carry `static_placement` (the file, its layers and slots).
 
+With moewatch's policy off and the plugin observing (MOEWATCH_SOCKET or MOEWATCH_WINDOW_DIR),
+`record_engine_policy` wraps vLLM's own "default" policy instead, without changing its answer (the
+same tensor is returned): each rebalance it answers is recorded for the windows with `"policy":
+"engine"`, its call and digest, when, the layers it changed, the slots moved (and bytes, when
+MOEWATCH_EPLB_EXPERT_BYTES is set), balancedness before and after under the load it was given and
+the changed rows before and after (moewatch.engine_rebalancing.observed_rebalance).
+
 The interface is checked when the plugin loads (the policy's signature, a "default" entry); when it
 differs, vLLM's policy is left alone with one warning naming the vLLM version.
 """
@@ -40,15 +47,17 @@ import itertools
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
 
+from moewatch.engine_rebalancing import observed_rebalance
 from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance, switched_on
 from moewatch.planner.static_placement import StaticPlacement, static_decision
 from moewatch.shards import policy_digest
 
-from .rebalance_hook import RebalanceHookState
+from .rebalance_hook import RebalanceHookState, package_version as _package_version
 
 logger = logging.getLogger("moewatch.vllm.eplb")
 
@@ -210,6 +219,77 @@ def check_map(pmap: np.ndarray, num_layers: int, num_experts: int, num_replicas:
 def installed() -> bool:
     """Whether moewatch's policy is vLLM's "default" EPLB policy in this process (each call recorded)."""
     return _hook.installed
+
+
+_recording: dict[str, Any] = {"installed": False, "errors": 0}
+
+
+def observed() -> bool:
+    """Whether each of vLLM's rebalances in this process leaves a record: moewatch's policy answers it,
+    or vLLM's own policy is wrapped by record_engine_policy."""
+    return _hook.installed or _recording["installed"]
+
+
+def record_engine_policy(environ=os.environ) -> bool:
+    """With moewatch's policy off: wrap vLLM's "default" EPLB policy so that each rebalance it answers is
+    recorded for the windows, its answer unchanged. True when in place. Idempotent. Never raises:
+    another interface leaves vLLM's policy alone, with one warning naming the version."""
+    if _hook.installed or _recording["installed"]:
+        return True
+    expert_bytes = None
+    if environ.get("MOEWATCH_EPLB_EXPERT_BYTES"):
+        try:
+            expert_bytes = RebalanceSettings.from_env(environ).expert_bytes
+        except ValueError as exc:
+            logger.warning("moewatch: %s; vLLM's rebalances are recorded without bytes", exc)
+    try:
+        policies = _import_policies()
+    except ImportError as exc:
+        logger.warning("moewatch: vLLM %s has no EPLB policy registry (%s); its rebalances are not recorded",
+                       _package_version("vllm"), exc)
+        return False
+    problem = interface_problem(policies)
+    if problem is not None:
+        logger.warning("moewatch: vLLM %s: %s; its rebalances are not recorded", _package_version("vllm"), problem)
+        return False
+    original = policies.EPLB_POLICIES["default"]
+    policies.EPLB_POLICIES["default"] = make_recording_policy(policies.AbstractEplbPolicy, original, expert_bytes)
+    _recording["installed"] = True
+    return True
+
+
+def make_recording_policy(base: type, original: type, expert_bytes: float | None = None) -> type:
+    """A subclass of vLLM's AbstractEplbPolicy that returns `original`'s answer, the same tensor, and
+    records the call (an all-zero load, the profile run's, is no rebalance: no record). Recording never
+    fails the call: an error is counted and logged once."""
+    settings = RebalanceSettings()  # in the digest only: the same on every rank
+
+    class RecordedEplbPolicy(base):
+        recorded_policy = original
+
+        @classmethod
+        def rebalance_experts(cls, weight, num_replicas, num_groups, num_nodes, num_ranks,
+                              old_global_expert_indices=None):
+            answer = original.rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
+                                                old_global_expert_indices)
+            try:
+                sizes = (num_replicas, num_groups, num_nodes, num_ranks)
+                identity = _reported_call(weight, sizes, old_global_expert_indices, settings, answer)
+                if identity is not None:
+                    old = None if old_global_expert_indices is None else _numpy(old_global_expert_indices, np.int64)
+                    _hook.records.append({
+                        "engine": _hook.engine, "policy": "engine", **identity, "time": time.time(),
+                        **observed_rebalance(_numpy(weight, np.float64), old, _numpy(answer, np.int64),
+                                             int(num_ranks), expert_bytes)})
+            except Exception as exc:  # noqa: BLE001 - a record is never worth vLLM's rebalancing thread
+                _recording["errors"] += 1
+                if _recording["errors"] == 1:
+                    logger.warning("moewatch: recording vLLM's rebalance failed (%s: %s); later failures are "
+                                   "counted, not logged", type(exc).__name__, exc)
+            return answer
+
+    RecordedEplbPolicy.__qualname__ = RecordedEplbPolicy.__name__
+    return RecordedEplbPolicy
 
 
 def fallbacks() -> int:

@@ -78,6 +78,7 @@ def register() -> None:
         return
     if settings is None or _state["registered"]:
         return
+    vllm_eplb.record_engine_policy()  # moewatch's policy off: vLLM's own rebalances recorded, answers unchanged
     _state["registered"] = True
     _state["settings"] = settings
     try:
@@ -196,13 +197,14 @@ def _recorder_for(moe_config):
 
 def _rebalancing_extra(parallel_config) -> dict:
     """{"rebalancing": its window extra} when vLLM's EPLB is on (moewatch.integrations.vllm.rebalancing),
-    else {}. Every rebalance is observed when moewatch's policy answers vLLM's (a record per call)."""
+    else {}. Every rebalance is observed: moewatch's policy answers it, or vLLM's own is wrapped to record
+    it (vllm_eplb.record_engine_policy), a record per call."""
     from moewatch.integrations.vllm.rebalancing import rebalancing_settings
 
     from . import vllm_eplb
 
     try:
-        settings = rebalancing_settings(parallel_config, observed=vllm_eplb.installed())
+        settings = rebalancing_settings(parallel_config, observed=vllm_eplb.observed())
     except (AttributeError, TypeError, ValueError) as exc:  # another vLLM's config: say so, never break serving
         logger.warning("moewatch: vLLM's EPLB settings unreadable (%s); the agent cannot watch its rebalancing", exc)
         return {}

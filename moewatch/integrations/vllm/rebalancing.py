@@ -11,8 +11,8 @@ from ...engine_rebalancing import RebalancingSettings
 
 
 def rebalancing_settings(parallel_config: Any, observed: bool) -> RebalancingSettings | None:
-    """vLLM's ParallelConfig -> the settings its windows carry; None when EPLB is off. `observed`:
-    moewatch's policy is vLLM's EPLB policy in this process, so each rebalance leaves a record."""
+    """vLLM's ParallelConfig -> the settings its windows carry; None when EPLB is off. `observed`: each
+    rebalance leaves a record in this process (moewatch's policy answers it, or vLLM's own is recorded)."""
     if not getattr(parallel_config, "enable_eplb", False):
         return None
     eplb = parallel_config.eplb_config

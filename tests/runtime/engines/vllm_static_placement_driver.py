@@ -1,5 +1,6 @@
 """Runs inside .venv-vllm (the tests start it there): loads vLLM's general plugins the way each vLLM
-process does, with the caller's MOEWATCH_EPLB / MOEWATCH_EPLB_PLACEMENT, then asks the policy vLLM
+process does, with the caller's MOEWATCH_EPLB / MOEWATCH_EPLB_PLACEMENT (or, with those unset and
+MOEWATCH_WINDOW_DIR set, vLLM's own policy recorded), then asks the policy vLLM
 resolves (vllm.distributed.eplb.policy.EPLB_POLICIES["default"], what EplbState looks up for
 EPLBConfig().policy) for a map as EplbState.rearrange does: the profile run's all-zero load first,
 then two rebalances of different loads, each from the map committed before it (the profile
