@@ -16,6 +16,12 @@ num_nodes > 1; num_groups is not used. It returns SGLang's three tensors: physic
 and the replica counts [L, E] int64. The elasticity-aware algorithms (ranks that come and go) and
 any error inside go to SGLang's own function, counted and logged once.
 
+With MOEWATCH_EPLB off and moewatch observing (MOEWATCH_SOCKET or MOEWATCH_WINDOW_DIR), an AROUND
+hook on the same function records SGLang's own algorithm instead, its answer returned unchanged:
+each call with load is recorded for the windows with `"policy": "engine"`, when, the layers it
+changed from the published map, the slots moved (bytes with MOEWATCH_EPLB_EXPERT_BYTES), balancedness
+before and after, the changed rows (moewatch.engine_rebalancing.observed_rebalance).
+
 The interface is checked when the plugin loads (the function's parameters, the metadata getter);
 when it differs, SGLang's algorithm is left alone with one warning naming the SGLang version.
 """
@@ -25,15 +31,17 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 from typing import Any
 
 import numpy as np
 
+from moewatch.engine_rebalancing import observed_rebalance
 from moewatch.planner.placement_math import replica_counts_of
 from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance
 
 from . import sglang_routed
-from .rebalance_hook import RebalanceHookState
+from .rebalance_hook import RebalanceHookState, package_version
 
 logger = logging.getLogger("moewatch.sglang.eplb")
 
@@ -51,7 +59,68 @@ def register(environ=os.environ) -> bool:
     It also registers, when moewatch observes, the routed counts under DeepEP (sglang_routed.py),
     which must be in place before SGLang captures its CUDA graphs, as only a plugin is."""
     sglang_routed.register(environ)
-    return _hook.install_from_env(environ, _import_eplb, lambda modules: interface_problem(*modules[:2]), _attach)
+    installed = _hook.install_from_env(environ, _import_eplb, lambda modules: interface_problem(*modules[:2]),
+                                       _attach)
+    if not installed and (environ.get("MOEWATCH_SOCKET") or environ.get("MOEWATCH_WINDOW_DIR")):
+        record_engine_algorithm(environ)
+    return installed
+
+
+_recording: dict[str, Any] = {"installed": False, "errors": 0, "expert_bytes": None}
+
+
+def observed() -> bool:
+    """Whether each of SGLang's rebalances in this process leaves a record: moewatch's hook answers it,
+    or SGLang's own algorithm is recorded (record_engine_algorithm)."""
+    return _hook.installed or _recording["installed"]
+
+
+def record_engine_algorithm(environ=os.environ) -> bool:
+    """Register the AROUND hook that records SGLang's own algorithm's calls, its answers unchanged; True
+    when in place. Idempotent; never raises (another interface: one warning naming the version)."""
+    if _hook.installed or _recording["installed"]:
+        return True
+    if environ.get("MOEWATCH_EPLB_EXPERT_BYTES"):
+        try:
+            _recording["expert_bytes"] = RebalanceSettings.from_env(environ).expert_bytes
+        except ValueError as exc:
+            logger.warning("moewatch: %s; SGLang's rebalances are recorded without bytes", exc)
+    try:
+        modules = _import_eplb()
+    except ImportError as exc:
+        logger.warning("moewatch: SGLang %s lacks its EPLB hook points (%s); its rebalances are not recorded",
+                       package_version("sglang"), exc)
+        return False
+    problem = interface_problem(*modules[:2])
+    if problem is not None:
+        logger.warning("moewatch: SGLang %s: %s; its rebalances are not recorded", package_version("sglang"), problem)
+        return False
+    _, _, registry, hook_type = modules
+    registry.register(TARGET, record_around, hook_type.AROUND)
+    _recording["installed"] = True
+    return True
+
+
+def record_around(original, *args, **kwargs):
+    """SGLang's AROUND hook with its own algorithm in charge: `original`'s answer, the call recorded (a
+    call with no load is no rebalance: no record). Recording never fails the call."""
+    answer = original(*args, **kwargs)
+    try:
+        values = inspect.signature(inspect.unwrap(original)).bind(*args, **kwargs).arguments
+        counts = values["tokens_per_expert"]
+        counts = counts.detach().cpu().double().numpy() if hasattr(counts, "detach") else np.asarray(counts, float)
+        load = counts.sum(axis=0) if counts.ndim == 3 else counts
+        if load.any():
+            ranks = int(values["num_physical_experts"]) // int(values["num_local_physical_experts"])
+            after = answer[0].detach().cpu().numpy()
+            _hook.records.append({"engine": _hook.engine, "policy": "engine", "time": time.time(),
+                                  **observed_rebalance(load, current_map(), after, ranks, _recording["expert_bytes"])})
+    except Exception as exc:  # noqa: BLE001 - a record is never worth SGLang's rebalance
+        _recording["errors"] += 1
+        if _recording["errors"] == 1:
+            logger.warning("moewatch: recording SGLang's rebalance failed (%s: %s); later failures are counted, "
+                           "not logged", type(exc).__name__, exc)
+    return answer
 
 
 def _import_eplb():
@@ -182,7 +251,7 @@ def rebalancing_extra() -> dict[str, Any] | None:
 
             if not get_context().is_config_namespace_published("exec"):
                 return None  # not an SGLang server process yet: asked again at the next window
-            settings = rebalancing_settings(get_exec().moe, hook_installed=_hook.installed)
+            settings = rebalancing_settings(get_exec().moe, hook_installed=observed())
         except Exception as exc:  # noqa: BLE001 - another SGLang's config: the watch is off, serving is not
             logger.warning("moewatch: SGLang's EPLB settings unreadable (%s: %s); the agent cannot watch its "
                            "rebalancing", type(exc).__name__, exc)

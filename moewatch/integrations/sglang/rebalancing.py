@@ -13,7 +13,8 @@ from ...engine_rebalancing import RebalancingSettings
 
 def rebalancing_settings(moe_exec: Any, hook_installed: bool) -> RebalancingSettings | None:
     """SGLang's exec settings (get_exec().moe) -> the settings its windows carry; None when EPLB is off.
-    Each rebalance is observed when moewatch's hook answers SGLang's algorithm and SGLang's
+    Each rebalance is observed when moewatch's hook answers or records SGLang's algorithm
+    (`hook_installed`) and SGLang's
     utilisation gate cannot skip one (its threshold at 1.0, the default): a skipped rebalance never
     calls the algorithm, so it would read as one that did not happen."""
     if not getattr(moe_exec, "enable_eplb", False):
