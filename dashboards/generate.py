@@ -210,6 +210,7 @@ def overview() -> dash_b.Dashboard:
         ("Engine SLOs and their MoE attribution", slo),
         ("Agent decisions", [actions, rollbacks]),
         ("Engine rebalancing with moewatch's policy (MOEWATCH_EPLB=1)", engine_rebalance_panels()),
+        ("Engine rebalancing: still happening, and what it stalls", rebalance_watch_panels()),
         ("Sharded groups (one shard per DP rank)", shard_panels()),
     ])
 
@@ -259,6 +260,26 @@ def engine_rebalance_panels() -> list[Any]:
                f"[$__rate_interval]))", "layers worse {{model}}/{{ep_group}}", "B")], width=8)
         .draw_style(common.GraphDrawStyle.BARS))
     return [calls, layers, slots, balance, cost, checked]
+
+
+def rebalance_watch_panels() -> list[Any]:
+    """The watch on the engine's own rebalancing (docs/integrations.md, "Watching the engine's own
+    rebalancing"): steps since the last rebalance against the overdue line, and each rebalance's stall.
+    Empty where the engine's rebalancing is off."""
+    since = series_panel(
+        "Steps since the last rebalance", "Forward steps the engine ran since the agent last saw one of its "
+        "rebalances, against two of its configured intervals: above that line the rebalancing has stopped "
+        "(moewatch_engine_rebalance_overdue; alert MoewatchEngineRebalanceOverdue).", "short",
+        [query(f"moewatch_engine_rebalance_steps_since_last{{{GROUP_SEL}}}", "since {{model}}/{{ep_group}}", "A"),
+         query(f"2 * moewatch_engine_rebalance_interval_steps{{{GROUP_SEL}}}", "overdue above {{model}}/{{ep_group}}",
+               "B")], width=12)
+    stall = series_panel(
+        "Step stall per rebalance", "Mean over the interval's rebalances of how much longer the longest step of "
+        "the window that carried each ran than its median step (alert MoewatchEngineRebalanceSlow over 1 s).", "s",
+        [query(f"increase(moewatch_engine_rebalance_step_stall_seconds_sum{{{GROUP_SEL}}}[$__rate_interval]) / "
+               f"increase(moewatch_engine_rebalance_step_stall_seconds_count{{{GROUP_SEL}}}[$__rate_interval])",
+               "{{model}}/{{ep_group}}", "A")], width=12).draw_style(common.GraphDrawStyle.POINTS)
+    return [since, stall]
 
 
 def shard_panels() -> list[Any]:

@@ -54,7 +54,7 @@ import numpy as np
 
 from moewatch.engine_rebalancing import observed_rebalance
 from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance, switched_on
-from moewatch.planner.static_placement import StaticPlacement, static_decision
+from moewatch.planner.static_placement import PLACEMENT_VARIABLE, StaticPlacement, static_decision
 from moewatch.shards import policy_digest
 
 from .rebalance_hook import RebalanceHookState, package_version as _package_version
@@ -66,13 +66,20 @@ EXPECTED_PARAMETERS = ("weight", "num_replicas", "num_groups", "num_nodes", "num
 
 # Per process, never part of a decision (rebalance_hook.py).
 _hook = RebalanceHookState("vllm", "vLLM", "vLLM's own EPLB policy", logger)
+_warned: set[str] = set()  # what this process has warned of once
 
 
 def install_from_env(environ=os.environ) -> bool:
     """Replace vLLM's default EPLB policy when MOEWATCH_EPLB is on; True when ours is in place.
     Idempotent. Never raises: a bad setting or another interface leaves vLLM's policy in place."""
-    if _hook.installed or not switched_on(environ):
-        return _hook.installed
+    if _hook.installed:
+        return True
+    if not switched_on(environ):
+        if environ.get(PLACEMENT_VARIABLE, "").strip() and PLACEMENT_VARIABLE not in _warned:
+            _warned.add(PLACEMENT_VARIABLE)  # vLLM may load its plugins more than once per process
+            logger.warning("moewatch: %s is set but MOEWATCH_EPLB is not 1: the placement is not served",
+                           PLACEMENT_VARIABLE)
+        return False
     try:
         placement = StaticPlacement.from_env(environ)
     except ValueError as exc:

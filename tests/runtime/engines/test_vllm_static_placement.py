@@ -98,3 +98,13 @@ def test_an_unreadable_placement_file_leaves_vllms_policy_with_one_warning_namin
     assert got["maps"] == got["vllm_own"] and got["records"] == []
     named = [w for w in got["warnings"] if "MOEWATCH_EPLB_PLACEMENT" in w]
     assert len(named) == 1 and "not valid JSON" in named[0], got["warnings"]
+
+
+def test_a_placement_without_the_switch_is_named_once_not_dropped_in_silence(caplog, tmp_path):
+    from moewatch.runtime.engines import vllm_eplb
+
+    environ = {"MOEWATCH_EPLB_PLACEMENT": str(tmp_path / "placement.json")}
+    assert vllm_eplb.install_from_env(environ) is False and vllm_eplb.install_from_env(environ) is False
+    named = [r.getMessage() for r in caplog.records if "MOEWATCH_EPLB_PLACEMENT" in r.getMessage()]
+    assert named == ["moewatch: MOEWATCH_EPLB_PLACEMENT is set but MOEWATCH_EPLB is not 1: the placement is not "
+                     "served"]
