@@ -66,5 +66,7 @@ def init_group(state: MetricsState, group: tuple[str, str]) -> None:
             state[actions.ACTIONS_TOTAL].inc((*group, kind, result), 0)
     for family in (actions.ROLLBACKS_TOTAL, RUNTIME_FRAMES_DROPPED_TOTAL, windows.WINDOWS_TOTAL, windows.TOKENS_TOTAL):
         state[family].inc(group, 0)
+    for reason in (*WINDOW_LOSS_REASONS, "other"):
+        state[RUNTIME_WINDOWS_LOST_TOTAL].inc((*group, reason), 0)
     engine_rebalance.init_group(state, group)
     rebalance_watchdog.init_group(state, group)
