@@ -190,6 +190,70 @@ def policy_figures(loads: np.ndarray, maps: np.ndarray, seconds: list[float], de
     }
 
 
+def policy_targets(loads: np.ndarray, slots: int, ranks: int, tolerance: float) -> np.ndarray:
+    """[T, L, E] loads -> [T, L] the busiest GPU load moewatch's mending aims for at `tolerance`."""
+    from moewatch.planner.incremental import best_busiest_bound
+
+    return np.stack([best_busiest_bound(window.astype(np.float64), slots, ranks) for window in loads]) / (1.0 - tolerance)
+
+
+def _most_per_gpu(pmap: np.ndarray, num_experts: int, ranks: int) -> np.ndarray:
+    """[L, P] placement -> [L, E] the most replicas of each expert on one GPU (at least 1)."""
+    L, P = pmap.shape
+    held = np.zeros((L, ranks, num_experts), dtype=np.int64)
+    np.add.at(held, (np.arange(L)[:, None], np.repeat(np.arange(ranks), P // ranks)[None, :], pmap), 1)
+    return np.maximum(1, held.max(axis=1))
+
+
+def bound_rebalances(intervals: int, sample: int) -> list[int]:
+    """The rebalances the LP bound is computed for: every one of a steady load's (`sample` 0), else
+    `sample` evenly spaced ones, the first and the last among them."""
+    if sample <= 0 or sample >= intervals:
+        return list(range(intervals))
+    return sorted({int(round(i)) for i in np.linspace(0, intervals - 1, sample)})
+
+
+def moved_over_bound(loads: np.ndarray, maps: np.ndarray, ranks: int, targets: np.ndarray | None,
+                     rebalances: list[int], optimum_layers: int, optimum_seconds: float) -> dict[str, Any]:
+    """[T, L, E] loads, [T, L, P] a policy's maps, [T, L] its target busiest load (None: an engine's
+    policy, held to the balancedness it reached) -> slots it moved against the fewest any placement
+    with its replica counts at that balancedness rewrites (tools/eplb_optimum.py): the LP bound on
+    every layer of `rebalances`, the integer program on `optimum_layers` layers of the first of them
+    under a time limit of `optimum_seconds` each."""
+    from moewatch.planner.placement_math import contiguous_placement, gpu_load, replica_counts_of
+    from moewatch.tools.eplb_optimum import fewest_slots_rewritten
+
+    T, L, E = loads.shape
+    P = maps.shape[2]
+    before = np.concatenate([contiguous_placement(L, E, P)[None], maps[:-1]])
+    per_rebalance = []
+    optimum = []
+    started = time.perf_counter()
+    for t in rebalances:
+        window = loads[t].astype(np.float64)
+        reached = gpu_load(window, maps[t], ranks).max(axis=1)
+        limit = reached if targets is None else np.maximum(reached, targets[t])
+        counts = replica_counts_of(maps[t], E)
+        most = _most_per_gpu(maps[t], E, ranks)
+        moved = (maps[t] != before[t]).sum(axis=1)
+        bounds = [fewest_slots_rewritten(window[l], before[t, l], counts[l], ranks, float(limit[l]), integer=False,
+                                         max_per_gpu=most[l]).slots_rewritten_bound for l in range(L)]
+        per_rebalance.append({"rebalance": t, "slots_moved": int(moved.sum()), "lp_bound": int(sum(bounds)),
+                              "lp_bound_per_layer": bounds})
+        if t == rebalances[0] and optimum_layers > 0:
+            for l in sorted({int(round(i)) for i in np.linspace(0, L - 1, min(optimum_layers, L))}):
+                found = fewest_slots_rewritten(window[l], before[t, l], counts[l], ranks, float(limit[l]),
+                                               integer=True, time_limit=optimum_seconds, max_per_gpu=most[l])
+                optimum.append({"rebalance": t, "layer": l, "slots_moved": int(moved[l]),
+                                "lp_bound": bounds[l], **found.record()})
+    moved_total = sum(r["slots_moved"] for r in per_rebalance)
+    bound_total = sum(r["lp_bound"] for r in per_rebalance)
+    return {"rebalances": rebalances, "slots_moved": moved_total, "lp_bound": bound_total,
+            "moved_over_lp_bound": moved_total / bound_total if bound_total else None,
+            "per_rebalance": per_rebalance, "integer_program": optimum,
+            "integer_program_time_limit_seconds": optimum_seconds, "seconds": time.perf_counter() - started}
+
+
 def goals(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
     """Issue 17's goals, against each engine's own algorithm present in the run: balancedness at least
     its own after every rebalance, at most a third of its slots moved, at most half its median call
@@ -222,7 +286,8 @@ def goals(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
 
 def run_bench(layers: int, experts: int, slots: int, ranks: int, nodes: int, groups: int, steady_intervals: int,
               drift_intervals: int, window_steps: int, pairs_per_step: int, seed: int, vllm_python: str,
-              sglang_python: str, environ: dict[str, str], tolerances: tuple[float, ...] = ()) -> dict[str, Any]:
+              sglang_python: str, environ: dict[str, str], tolerances: tuple[float, ...] = (),
+              bound_drift_rebalances: int = 3, optimum_layers: int = 1, optimum_seconds: float = 30.0) -> dict[str, Any]:
     shape = {"layers": layers, "experts": experts, "slots": slots, "ranks": ranks, "nodes": nodes, "groups": groups,
              "tolerances": list(tolerances)}
     pairs = window_steps * pairs_per_step
@@ -257,11 +322,37 @@ def run_bench(layers: int, experts: int, slots: int, ranks: int, nodes: int, gro
         if "mending" in got:
             figures["mending"] = got["mending"]
         results.setdefault(scenario, {})[policy] = figures
+    # The reference (tools/eplb_optimum.py): slots moved against the fewest a placement with the
+    # policy's replica counts at its balancedness could rewrite; moewatch's at its own target.
+    from moewatch.planner.rebalance import RebalanceSettings
+
+    bound_started = time.perf_counter()
+    default_tolerance = RebalanceSettings.from_env(env).tolerance
+    for scenario, policies in results.items():
+        loads = scenarios[scenario]
+        rebalances = bound_rebalances(loads.shape[0], 0 if scenario in STEADY else bound_drift_rebalances)
+        for policy, figures in policies.items():
+            targets = None
+            if is_moewatch(policy):
+                tolerance = (default_tolerance if policy == "moewatch"
+                             else float(policy[len(TOLERANCE_POLICY):]))
+                targets = policy_targets(loads, slots, ranks, tolerance)
+            figures["bound"] = moved_over_bound(loads, maps[f"{scenario}/{policy}"], ranks, targets, rebalances,
+                                                optimum_layers, optimum_seconds)
+    bound_seconds = time.perf_counter() - bound_started
     return {"shape": {**shape, "window_steps": window_steps, "pairs_per_step": pairs_per_step,
-                      "steady_intervals": steady_intervals, "drift_intervals": drift_intervals},
+                      "steady_intervals": steady_intervals, "drift_intervals": drift_intervals,
+                      "bound_drift_rebalances": bound_drift_rebalances, "optimum_layers": optimum_layers,
+                      "optimum_seconds": optimum_seconds},
+            "bound_seconds": bound_seconds,
             "settings": {k: v for k, v in env.items() if k.startswith("MOEWATCH_EPLB_")},
             "results": results, "goals": goals(results), "wall_seconds": time.perf_counter() - started,
             "load_average": list(os.getloadavg())}
+
+
+def _ratio(bound: dict[str, Any]) -> str:
+    value = bound["moved_over_lp_bound"]
+    return "n/a (bound 0)" if value is None else f"{value:.2f}"
 
 
 def _eplb_command():
@@ -290,9 +381,17 @@ def _eplb_command():
     @click.option("--tolerances", default="", metavar="T[,T...]",
                   help="also run moewatch's policy at these MOEWATCH_EPLB_TOLERANCE values (slots moved "
                        "against balancedness); the goals stay those of the settings in force")
+    @click.option("--bound-drift-rebalances", type=click.IntRange(0), default=3, show_default=True,
+                  help="rebalances of the drifting load (evenly spaced, first and last among them; 0: all) whose "
+                       "layers get the LP bound on slots moved; a steady load's all do")
+    @click.option("--optimum-layers", type=click.IntRange(0), default=1, show_default=True,
+                  help="layers (evenly spaced) of each load's first rebalance solved as an integer program, per policy")
+    @click.option("--optimum-seconds", type=click.FloatRange(0.1), default=30.0, show_default=True,
+                  help="time limit of each integer program")
     @click.option("--json", "as_json", is_flag=True, help="machine output only")
     def eplb(layers, experts, slots, ranks, nodes, groups, steady_intervals, drift_intervals, window_steps,
-             pairs_per_step, seed, vllm_python, sglang_python, tolerances, as_json) -> None:
+             pairs_per_step, seed, vllm_python, sglang_python, tolerances, bound_drift_rebalances, optimum_layers,
+             optimum_seconds, as_json) -> None:
         """moewatch's EPLB policy against vLLM's default and SGLang's deepseek, through their own functions.
         Gate settings come from MOEWATCH_EPLB_* (docs/integrations.md)."""
         from moewatch.planner.placement_math import PlacementShapeError, check_sizes
@@ -311,7 +410,7 @@ def _eplb_command():
         try:
             report = run_bench(layers, experts, slots, ranks, nodes, groups, steady_intervals, drift_intervals,
                                window_steps, pairs_per_step, seed, vllm_python, sglang_python, dict(os.environ),
-                               swept)
+                               swept, bound_drift_rebalances, optimum_layers, optimum_seconds)
         except RuntimeError as exc:
             raise click.ClickException(str(exc)) from None
         if as_json:
@@ -322,7 +421,7 @@ def _eplb_command():
                 click.echo(f"{scenario:9s} {policy:26s} balancedness {min(f['balancedness_after']):.3f}-"
                            f"{max(f['balancedness_after']):.3f}  moved {f['experts_moved_total']:6d}  "
                            f"solve median {f['solve_seconds_median'] * 1e3:8.1f} ms  kept by gate "
-                           f"{sum(f['layers_kept_by_gate'])}")
+                           f"{sum(f['layers_kept_by_gate'])}  over LP bound {_ratio(f['bound'])}")
         click.echo("goals: " + ", ".join(f"{k} {'pass' if v else 'FAIL'}" for k, v in report["goals"].items()))
         return report
 

@@ -76,3 +76,28 @@ def test_tolerances_parse_as_a_list_of_shares_and_refuse_anything_else():
     for bad, says in (("0.01,x", "not a number: 'x'"), ("1.5", "not in (0, 1)"), ("0", "not in (0, 1)")):
         with pytest.raises(ValueError, match=re.escape(says)):
             bench.parse_tolerances(bad)
+
+
+def test_slots_moved_over_the_lp_bound_per_rebalance_and_the_integer_program_on_a_sample():
+    """moved_over_bound: every layer of the chosen rebalances gets the LP bound, the first rebalance's
+    sampled layers the integer program; a policy's own map bounds the optimum from above."""
+    from moewatch.planner.incremental import repair_placement
+
+    rng = np.random.default_rng(3)
+    T, L, E, P, W = 3, 4, 16, 24, 8
+    loads = np.repeat((rng.lognormal(0.0, 1.0, (1, L, E)) * 1000).astype(np.int64), T, axis=0)
+    first = repair_placement(loads[0], contiguous_placement(L, E, P), W, 0.01, num_nodes=2).physical_to_logical_map
+    maps = np.stack([first] * T)
+    targets = bench.policy_targets(loads, P, W, 0.01)
+    got = bench.moved_over_bound(loads, maps, W, targets, bench.bound_rebalances(T, 0), 2, 30.0)
+    assert [r["rebalance"] for r in got["per_rebalance"]] == [0, 1, 2]
+    moved_first = int((first != contiguous_placement(L, E, P)).sum())
+    assert got["slots_moved"] == moved_first  # nothing after the first on a steady load
+    first_bound = got["per_rebalance"][0]
+    assert 0 < first_bound["lp_bound"] <= moved_first and len(first_bound["lp_bound_per_layer"]) == L
+    assert [r["lp_bound"] for r in got["per_rebalance"][1:]] == [0, 0]  # the map in force is at the target
+    assert got["moved_over_lp_bound"] == pytest.approx(moved_first / first_bound["lp_bound"])
+    assert [o["layer"] for o in got["integer_program"]] == [0, 3]
+    for o in got["integer_program"]:
+        assert o["status"] == "optimal" and o["lp_bound"] <= o["slots_rewritten"] <= o["slots_moved"]
+    assert bench.bound_rebalances(20, 3) == [0, 10, 19] and bench.bound_rebalances(3, 5) == [0, 1, 2]
