@@ -22,6 +22,7 @@ import numpy as np
 from .checks import (check_at_least_one, check_placement, check_ranks_per_node, check_slots_divide,
                      check_slots_hold_experts)
 from .errors import InputError
+from .planner.placement_math import holder_counts
 
 SCHEMA = "moewatch.window/v1"
 
@@ -798,12 +799,14 @@ def hot_experts(w: Window, multiple: float) -> list[list[int]] | None:
     without expert_tokens (per-rank totals cannot name an expert)."""
     if w.expert_tokens is None:
         return None
-    out = []
-    for row in w.expert_tokens:
-        mean = row.mean()
-        hot = np.flatnonzero(row > multiple * mean) if mean > 0 else np.array([], dtype=int)
-        out.append([int(e) for e in hot[np.argsort(-row[hot], kind="stable")]])
-    return out
+    tokens = w.expert_tokens
+    mean = tokens.mean(axis=1)
+    hot = (tokens > multiple * mean[:, None]) & (mean > 0)[:, None]
+    counts = hot.sum(axis=1)
+    # All layers in one stable sort: hot experts by load, hottest first (the lower index among equals),
+    # the others after them.
+    order = np.argsort(np.where(hot, -tokens, np.iinfo(np.int64).max), axis=1, kind="stable")
+    return [row[:n] for row, n in zip(order[:, :int(counts.max(initial=0))].tolist(), counts.tolist())]
 
 
 @_once
@@ -837,11 +840,8 @@ def expected_cross_rank_ratio(w: Window) -> np.ndarray | None:
     """
     if w.expert_tokens is None:
         return None
-    L, E, W = w.num_layers, w.num_experts, w.world_size
-    holds = np.zeros((L, E, W), dtype=bool)
-    layer_idx = np.repeat(np.arange(L), w.num_slots)
-    holds[layer_idx, w.physical_to_logical_map.ravel(), np.tile(w.slot_rank, L)] = True
-    local_prob = holds.sum(axis=2) / W  # [L, E]
+    W = w.world_size
+    local_prob = holder_counts(w.physical_to_logical_map, w.num_experts, W) / W  # [L, E]
     kept = kept_tokens(w)
     total = kept.sum(axis=1)
     expected_local = _ratio((kept * local_prob).sum(axis=1), total)
@@ -949,7 +949,8 @@ def pair_seconds_relative(w: Window) -> np.ndarray | None:
     timed = np.isfinite(per_pair).any(axis=1)
     if timed.any():
         rows = per_pair[timed]
-        median = np.nanmedian(rows, axis=1)[:, None]
+        # np.median where nothing is missing: the same numbers without nanmedian's masked-array path
+        median = (np.median if np.isfinite(rows).all() else np.nanmedian)(rows, axis=1)[:, None]
         ratio = np.full(rows.shape, np.nan)
         np.divide(rows, median, out=ratio, where=median > 0)  # a median rank that took no time: unknown
         out[timed] = ratio

@@ -112,6 +112,15 @@ def holders(pmap: np.ndarray, num_experts: int, num_groups: int) -> np.ndarray:
     return np.bincount(flat, minlength=L * num_experts * num_groups).reshape(L, num_experts, num_groups)
 
 
+def holder_counts(pmap: np.ndarray, num_experts: int, num_groups: int) -> np.ndarray:
+    """[L, P] placement -> [L, E] how many groups of consecutive slots hold each expert: the same as
+    (holders(...) > 0).sum(axis=2), from the [L, P] placement instead of an [L, E, groups] table."""
+    L = pmap.shape[0]
+    expert_of_layer = np.arange(L)[:, None] * num_experts + pmap
+    return np.bincount(expert_of_layer[first_in_group(pmap, num_groups)],
+                       minlength=L * num_experts).reshape(L, num_experts)
+
+
 def dispatch_cross_shares(load: np.ndarray, pmap: np.ndarray, num_gpus: int,
                           num_nodes: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """[L, E] load, [L, P] placement -> ([L] cross-GPU share, [L] cross-node share) of the pairs.
@@ -127,7 +136,7 @@ def dispatch_cross_share(load: np.ndarray, pmap: np.ndarray, num_groups: int) ->
     """[L, E] load, [L, P] placement -> [L] share of the pairs that leave their group of consecutive
     slots (num_groups = W: the GPU, = N: the node); one half of `dispatch_cross_shares`, for a caller
     that needs one (the per-GPU count is the costly one: L x E x W)."""
-    held = (holders(pmap, load.shape[1], num_groups) > 0).sum(axis=2)
+    held = holder_counts(pmap, load.shape[1], num_groups)
     total = load.sum(axis=1)
     safe = np.where(total > 0, total, 1.0)
     share = (load * (1.0 - held / num_groups)).sum(axis=1) / safe
