@@ -101,3 +101,15 @@ def test_slots_moved_over_the_lp_bound_per_rebalance_and_the_integer_program_on_
     for o in got["integer_program"]:
         assert o["status"] == "optimal" and o["lp_bound"] <= o["slots_rewritten"] <= o["slots_moved"]
     assert bench.bound_rebalances(20, 3) == [0, 10, 19] and bench.bound_rebalances(3, 5) == [0, 1, 2]
+
+
+def test_goals_of_issue_32_slots_over_the_lp_bound_and_the_longest_pause():
+    def ours(moved, bound, pause):
+        return {"solve_seconds": [0.01], "balancedness_after": [0.99], "experts_moved_total": moved,
+                "experts_moved": [moved], "bound": {"slots_moved": moved, "lp_bound": bound},
+                "pause": {"pause_max_seconds": pause}}
+
+    met = bench.goals({"zipf": {"moewatch": ours(125, 100, 0.004)}, "hot": {"moewatch": ours(60, 50, 0.001)}})
+    assert met["moved_at_most_1.25x_lp_bound"] and met["longest_pause_at_most_5_ms"]
+    missed = bench.goals({"zipf": {"moewatch": ours(126, 100, 0.004)}, "hot": {"moewatch": ours(60, 50, 0.0051)}})
+    assert not missed["moved_at_most_1.25x_lp_bound"] and not missed["longest_pause_at_most_5_ms"]
