@@ -129,16 +129,19 @@ def pack_max_loads(items: np.ndarray, num_ranks: int, slots_per_rank: np.ndarray
 
     Exactly the sequential greedy, in batches: after sorting the open ranks by (load, index), the next
     items go to them in that order for as long as each stays the least loaded; the batch stops at the
-    first item whose turn is not certain (a tie included), and the next batch sorts again. Zero
-    items come last and change no load, so they are never placed."""
+    first item whose turn is not certain (a tie included), and the next batch sorts again. When a
+    handful of open ranks share what is left (a batch places a few items), the rest go one item per
+    step (`_place_one_by_one`). Zero items come last and change no load, so they are never placed."""
     x = np.sort(np.asarray(items, dtype=np.float64), axis=1)[:, ::-1]
     R, n = x.shape
     W = int(num_ranks)
     todo = (x > 0).sum(axis=1)
     x = np.concatenate([x, np.zeros((R, W))], axis=1)  # a batch never reads past a row's end
-    loads = np.zeros((R, W))
+    # The first batch needs no sort: with every rank empty, the first W items go to ranks 0..W-1.
+    loads = np.where(x[:, :W] > 0, x[:, :W], 0.0)
     free = np.repeat(np.broadcast_to(np.asarray(slots_per_rank, dtype=np.int64), (R,))[:, None], W, axis=1)
-    ptr = np.zeros(R, dtype=np.int64)
+    free -= loads > 0
+    ptr = np.minimum(todo, W)
     cols = np.arange(W)
     active = np.flatnonzero(ptr < todo)
     while active.size:
@@ -161,9 +164,46 @@ def pack_max_loads(items: np.ndarray, num_ranks: int, slots_per_rank: np.ndarray
         taken = np.logical_and.accumulate(ok, axis=1)
         loads[rows, order] = np.where(taken, after, load[local, order])
         free[rows, order] = slots_sorted - taken
-        ptr[active] = at + taken.sum(axis=1)
-        active = active[ptr[active] < todo[active]]
+        placed = taken.sum(axis=1)
+        ptr[active] = at + placed
+        going = ptr[active] < todo[active]
+        active, placed = active[going], placed[going]
+        left = todo[active] - ptr[active]
+        # One step costs a small part of a batch: step once the batches left would outnumber the
+        # steps left by BATCH_OVER_STEP (a batch still places many items when it is ahead).
+        if active.size and left.max() < BATCH_OVER_STEP * (-(-left // np.maximum(placed, 1))).max():
+            _place_one_by_one(x, loads, free, ptr, todo, active)
+            break
     return loads.max(axis=1)
+
+
+BATCH_OVER_STEP = 24  # CPU of one batch over one item step, about (a DeepSeek-V3-size window's 174 rows)
+
+
+def _place_one_by_one(x: np.ndarray, loads: np.ndarray, free: np.ndarray, ptr: np.ndarray, todo: np.ndarray,
+                      rows: np.ndarray) -> None:
+    """The sequential greedy of `pack_max_loads` for `rows`, one item per step for all of them at
+    once: each row's next item to its least-loaded open rank (argmin: the lowest index among
+    equals). x: [R, n + W] sorted items, loads/free: [R, W], ptr/todo: [R]; loads is updated."""
+    W = loads.shape[1]
+    at, end = ptr[rows], todo[rows]
+    steps = int((end - at).max())
+    index = at[:, None] + np.arange(steps)
+    counted = index < end[:, None]  # a row whose items ran out takes zeros and uses no slot
+    values = np.where(counted, x[rows[:, None], np.minimum(index, x.shape[1] - 1)], 0.0)
+    used = counted.astype(np.int64)
+    load, slots = loads[rows], free[rows]
+    key = np.where(slots > 0, load, np.inf)
+    flat_load, flat_slots, flat_key = load.reshape(-1), slots.reshape(-1), key.reshape(-1)
+    base = np.arange(len(rows)) * W
+    for step in range(steps):
+        flat = base + key.argmin(axis=1)
+        new = flat_load.take(flat) + values[:, step]
+        flat_load.put(flat, new)
+        left = flat_slots.take(flat) - used[:, step]
+        flat_slots.put(flat, left)
+        flat_key.put(flat, np.where(left > 0, new, np.inf))
+    loads[rows] = load
 
 
 def replica_splits(expert_load: np.ndarray, hot: np.ndarray, extra_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
