@@ -14,7 +14,7 @@ import functools
 import operator
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import numpy as np
 
@@ -202,12 +202,21 @@ class FamilyWriter:
         self._expect("counter")
         self._write_many(items, add=True, chunk=chunk)
 
+    def set_columns(self, keys: list[Labels], values: list[float], chunk: Chunk) -> None:
+        """`set_many(zip(keys, values), chunk)` without building the pairs: a window's thousands of
+        layer x rank series come as one list of label tuples (built once per group) and one of values."""
+        self._expect("gauge")
+        if len(keys) != len(values):
+            raise ValueError(f"{self.name}: {len(keys)} label tuples for {len(values)} values")
+        if keys:
+            self._write_chunk(chunk, keys, values, add=False)
+
     def _write_many(self, items: Iterable[tuple[Labels, float]], add: bool, chunk: Chunk | None) -> None:
         if chunk is None:
             for one_chunk, chunk_items in self._by_chunk(items):
-                self._write_chunk(one_chunk, chunk_items, add)
+                self._write_items(one_chunk, chunk_items, add)
         else:
-            self._write_chunk(chunk, list(items), add)
+            self._write_items(chunk, list(items), add)
 
     def _by_chunk(self, items: Iterable[tuple[Labels, float]]) -> list[tuple[Chunk, list]]:
         """Items split into runs of one chunk each, in order."""
@@ -219,10 +228,12 @@ class FamilyWriter:
             runs[-1][1].append(item)
         return runs
 
-    def _write_chunk(self, chunk: Chunk, items: list[tuple[Labels, float]], add: bool) -> None:
-        if not items:
-            return
-        keys, raw = zip(*items)
+    def _write_items(self, chunk: Chunk, items: list[tuple[Labels, float]], add: bool) -> None:
+        if items:
+            keys, raw = zip(*items)
+            self._write_chunk(chunk, keys, raw, add)
+
+    def _write_chunk(self, chunk: Chunk, keys: Sequence[Labels], raw: Sequence[float], add: bool) -> None:
         values = list(map(float, raw))
         if set(map(len, keys)) != {self._width} or (add and min(values) < 0):
             bad = next((k, v) for k, v in zip(keys, values) if len(k) != self._width or (add and v < 0))

@@ -134,6 +134,7 @@ class GroupExportMemory:
     expert_left_out: set[tuple[int, int]] = field(default_factory=set)
     # Label tuples, built once per group and size: (L, W) -> ([L] layer keys, [L][W] rank keys).
     keys: dict[tuple[int, int], tuple[list[Labels], list[list[Labels]]]] = field(default_factory=dict)
+    flat_keys: dict[tuple[int, int], list[Labels]] = field(default_factory=dict)  # (L, W) -> the rank keys, flat
 
     def labels(self, group: tuple[str, str], num_layers: int, world_size: int
                ) -> tuple[list[Labels], list[list[Labels]]]:
@@ -142,6 +143,14 @@ class GroupExportMemory:
             layers = [(*group, str(layer)) for layer in range(num_layers)]
             ranks = [[(*key, str(rank)) for rank in range(world_size)] for key in layers]
             found = self.keys[(num_layers, world_size)] = (layers, ranks)
+        return found
+
+    def flat_rank_labels(self, group: tuple[str, str], num_layers: int, world_size: int) -> list[Labels]:
+        """The [L][W] rank keys of `labels` in one list, layer-major (built once per group and size)."""
+        found = self.flat_keys.get((num_layers, world_size))
+        if found is None:
+            rank_keys = self.labels(group, num_layers, world_size)[1]
+            found = self.flat_keys[(num_layers, world_size)] = [key for row in rank_keys for key in row]
         return found
 
 
@@ -206,9 +215,8 @@ def record_window(state: MetricsState, memory: GroupExportMemory, w: Window, dia
     else:
         # +Inf here where a rank computed nothing (None in the diagnosis's JSON).
         state[LAYER_RANK_LOAD_MAX_MIN].set_many(zip(layer_keys, max_min.tolist()), chunk=group)
-        per_step = (rank_load / steps).tolist()
-        state[RANK_LOAD_PAIRS].set_many([(key, value) for keys, values in zip(rank_keys, per_step)
-                                         for key, value in zip(keys, values)], chunk=group)
+        state[RANK_LOAD_PAIRS].set_columns(memory.flat_rank_labels(group, w.num_layers, w.world_size),
+                                           (rank_load / steps).ravel().tolist(), chunk=group)
     for metric, key in ((LAYER_ROUTED_PAIRS_TOTAL, "routed_pairs"),
                         (LAYER_DROPPED_PAIRS_TOTAL, "dropped_pairs"),
                         (LAYER_REROUTED_PAIRS_TOTAL, "rerouted_pairs")):

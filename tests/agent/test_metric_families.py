@@ -73,7 +73,8 @@ def test_storage_imports_no_presentation():
 
 def test_batched_writes_store_what_one_at_a_time_writes():
     """The batched forms the window's export uses are equal to the one-series forms they replace."""
-    from moewatch.agent.metrics.windows import LAYER_EXPERT_LOAD_SHARE, LAYER_ROUTED_PAIRS_TOTAL, LAYER_VERDICT
+    from moewatch.agent.metrics.windows import (LAYER_EXPERT_LOAD_SHARE, LAYER_ROUTED_PAIRS_TOTAL, LAYER_VERDICT,
+                                                RANK_LOAD_PAIRS)
 
     rng = np.random.default_rng(3)
     rows = rng.lognormal(0.0, 1.0, (6, 40))
@@ -98,6 +99,17 @@ def test_batched_writes_store_what_one_at_a_time_writes():
         batch[LAYER_VERDICT].set_many([(("m", "other", "0", "healthy", "none"), 1.0)], chunk=("m", "g"))
     with pytest.raises(ValueError, match="bad increment"):
         batch[LAYER_ROUTED_PAIRS_TOTAL].inc_many([(keys[0], -1.0)], chunk=("m", "g"))
+    rank_keys = [(*key, str(rank)) for key in keys for rank in range(4)]
+    for _ in range(2):
+        values = rng.lognormal(0.0, 3.0, len(rank_keys)).tolist()
+        for key, value in zip(rank_keys, values):
+            one[RANK_LOAD_PAIRS].set(key, value)
+        batch[RANK_LOAD_PAIRS].set_columns(rank_keys, values, chunk=("m", "g"))
+        assert one.series(RANK_LOAD_PAIRS) == batch.series(RANK_LOAD_PAIRS)
+    with pytest.raises(ValueError, match="outside chunk"):
+        batch[RANK_LOAD_PAIRS].set_columns([("m", "other", "0", "0")], [1.0], chunk=("m", "g"))
+    with pytest.raises(ValueError, match="2 label tuples for 1 values"):
+        batch[RANK_LOAD_PAIRS].set_columns(rank_keys[:2], [1.0], chunk=("m", "g"))
 
 
 def test_the_exposition_formats_numbers_as_prometheus_client_does():
