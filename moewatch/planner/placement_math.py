@@ -114,11 +114,21 @@ def holders(pmap: np.ndarray, num_experts: int, num_groups: int) -> np.ndarray:
 
 def holder_counts(pmap: np.ndarray, num_experts: int, num_groups: int) -> np.ndarray:
     """[L, P] placement -> [L, E] how many groups of consecutive slots hold each expert: the same as
-    (holders(...) > 0).sum(axis=2), from the [L, P] placement instead of an [L, E, groups] table."""
-    L = pmap.shape[0]
+    (holders(...) > 0).sum(axis=2). With a few slots per group (a GPU's), a slot's expert is compared
+    with the slots before it in its group, instead of filling an [L, E, groups] table."""
+    L, P = pmap.shape
+    size = P // num_groups
+    if size > FEW_SLOTS_PER_GROUP:
+        return (holders(pmap, num_experts, num_groups) > 0).sum(axis=2)
+    grouped = pmap.reshape(L, num_groups, size)
+    repeat = np.zeros(grouped.shape, dtype=bool)  # the expert sits on an earlier slot of the group
+    for k in range(1, size):
+        repeat[:, :, k:] |= grouped[:, :, k:] == grouped[:, :, :-k]
     expert_of_layer = np.arange(L)[:, None] * num_experts + pmap
-    return np.bincount(expert_of_layer[first_in_group(pmap, num_groups)],
-                       minlength=L * num_experts).reshape(L, num_experts)
+    return np.bincount(expert_of_layer[~repeat.reshape(L, P)], minlength=L * num_experts).reshape(L, num_experts)
+
+
+FEW_SLOTS_PER_GROUP = 16  # beyond, the [L, E, groups] table costs less than one comparison per offset
 
 
 def dispatch_cross_shares(load: np.ndarray, pmap: np.ndarray, num_gpus: int,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from moewatch import telemetry as tm
+from moewatch import topology
 from moewatch.planner.placement_math import holder_counts, holders
 from moewatch.tools.examples import SCENARIOS, production_window, scenario, simulate
 
@@ -58,7 +59,7 @@ def test_per_window_forms_equal_the_per_layer_ones(window):
 def test_holder_counts_equal_the_holders_table():
     rng = np.random.default_rng(3)
     for _ in range(200):
-        E, groups, size = int(rng.integers(1, 9)), int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        E, groups, size = int(rng.integers(1, 9)), int(rng.integers(1, 6)), int(rng.choice([1, 2, 3, 5, 16, 17, 40]))
         pmap = rng.integers(0, E, size=(int(rng.integers(1, 4)), groups * size))  # an expert twice in a group too
         assert np.array_equal(holder_counts(pmap, E, groups), (holders(pmap, E, groups) > 0).sum(axis=2))
 
@@ -77,3 +78,14 @@ def test_pair_seconds_relative_takes_the_median_of_the_known_ranks(idle_rank):
     expected = per_pair / np.nanmedian(per_pair, axis=1, keepdims=True)
     got = tm.pair_seconds_relative(w)
     assert np.isnan(got[1, 0]) == idle_rank and np.array_equal(got, expected, equal_nan=True)
+
+
+def test_cross_node_ratio_of_counts_equals_the_product_form():
+    rng = np.random.default_rng(8)
+    for world, per_node in ((4, 2), (8, 2), (8, 4), (64, 8), (6, 3), (6, 4)):
+        traffic = rng.integers(0, 50, size=(3, world, world))
+        traffic[1] = 0  # an idle layer
+        total = traffic.sum(axis=(1, 2)).astype(np.float64)
+        crossed = topology.cross_node_pairs(traffic, per_node).astype(np.float64)
+        expected = np.divide(crossed, total, out=np.zeros_like(total), where=total > 0)
+        assert np.array_equal(topology.cross_node_ratio(traffic, world, per_node, 3), expected)
