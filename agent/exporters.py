@@ -64,6 +64,7 @@ class Exposition:
         self._labels: dict[tuple[str, Labels], str] = {}
         self._buckets: dict[tuple[str, Labels], list[str]] = {}
         self._prefixes: dict[tuple[str, Chunk], tuple[list[Labels], list[str]]] = {}
+        self._whole: tuple[int, bytes] | None = None  # (state generation, the exposition at it)
 
     @staticmethod
     def _header(spec: Family) -> bytes:
@@ -121,6 +122,10 @@ class Exposition:
 
     def render(self) -> bytes:
         with self._lock:
+            # Read before the chunks: a change made while they are read moves it past what is kept.
+            generation = self.state.generation
+            if self._whole is not None and self._whole[0] == generation:
+                return self._whole[1]  # a scrape between windows: the bytes as they were
             out = []
             live = set()
             for spec in METRICS:
@@ -135,7 +140,9 @@ class Exposition:
             for gone in set(self._chunks) - live:
                 del self._chunks[gone]
                 self._prefixes.pop(gone, None)
-            return b"".join(out)
+            whole = b"".join(out)
+            self._whole = (generation, whole)
+            return whole
 
 
 def go_floats(values: list[float]) -> list[str]:

@@ -77,6 +77,7 @@ class MetricsState:
         self._values: dict[str, dict[Chunk, dict[Labels, float]]] = {}
         self._histograms: dict[str, dict[Chunk, dict[Labels, HistogramValue]]] = {}
         self._versions: dict[tuple[str, Chunk], int] = {}
+        self.generation = 0  # moves with every chunk's version: nothing changed while it stays
         self._writers: dict[Family, FamilyWriter] = {}
         self.expert_series_cap = expert_series_cap
         # Called with (name, labels, values) on every histogram observation (the OTel bridge).
@@ -126,6 +127,7 @@ class MetricsState:
 
     def _bump(self, name: str, chunk: Chunk) -> None:
         self._versions[(name, chunk)] = self._versions.get((name, chunk), 0) + 1
+        self.generation += 1
 
     # --- for the exposition -----------------------------------------------------------------------
     def chunks(self, family: Family) -> list[tuple[Chunk, int]]:

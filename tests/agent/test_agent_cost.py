@@ -62,6 +62,24 @@ def test_a_window_rerenders_only_its_own_group_and_a_quiet_scrape_renders_nothin
     assert render(registry) == generate_latest(registry)
 
 
+def test_a_quiet_scrape_copies_the_kept_bytes_and_every_change_shows():
+    state, registry, memories = populated()
+    first = render(registry)
+    assert render(registry) is first  # nothing changed since: no chunk walk, no join
+    for change in (lambda: state[FRAMES_REJECTED_TOTAL].inc(("bad_magic",)),
+                   lambda: state[LAYER_RANK_LOAD_MAX_MIN].set(("a", "example", "9"), 2.5),
+                   lambda: state[LAYER_RANK_LOAD_MAX_MIN].remove(("a", "example", "9")),
+                   lambda: state.remove_group(("b", "example"))):
+        before = render(registry)
+        change()
+        text = render(registry)
+        assert text != before and text == generate_latest(registry)
+    state[LAYER_RANK_LOAD_MAX_MIN].set(("a", "example", "8"), 1.0)
+    kept = render(registry)
+    state[LAYER_RANK_LOAD_MAX_MIN].set(("a", "example", "8"), 1.0)  # the same value: nothing to re-render
+    assert render(registry) is kept
+
+
 def test_a_groups_history_and_backlog_are_bounded_by_bytes():
     w = simulate(SCENARIOS["healthy"], seed=1)
     size = w.nbytes
