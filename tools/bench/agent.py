@@ -88,11 +88,18 @@ def triage_ms(window, repeats: int = 7) -> tuple[float, float]:
     return statistics.median(wall), statistics.median(cpu)
 
 
+# The link rate the bench's windows declare (400 Gbit/s, a current NIC per GPU): only the bound's
+# presence matters to the agent's cost, not its value.
+BENCH_LINK_BYTES_PER_SECOND = 50e9
+
+
 def full_evidence_window(seed: int, **size: Any):
     """A production-size window carrying everything a runtime sends: per-rank timings for every layer,
-    the traffic matrix [L][W][W], per-step data (production_window), plus per-rank totals and capacity
+    the traffic matrix [L][W][W], per-step data (production_window), plus per-rank totals, capacity
     drops (a capacity factor in force; the four hottest experts of each layer lose 1-5 % of their
-    pairs, which were routed but never computed)."""
+    pairs, which were routed but never computed) and the all-to-all bound of a runtime that knows its
+    link rate (BENCH_LINK_BYTES_PER_SECOND)."""
+    from moewatch.telemetry import a2a_lower_bound_seconds, a2a_over_bound
     from moewatch.tools.examples import production_window
 
     w = production_window(seed, **size)
@@ -103,8 +110,10 @@ def full_evidence_window(seed: int, **size: Any):
     share = rng.uniform(0.01, 0.05, hot.shape)
     np.put_along_axis(dropped, hot, (np.take_along_axis(kept, hot, axis=1) * share).astype(np.int64), axis=1)
     L, W, P = w.num_layers, w.world_size, w.num_slots
+    bound = a2a_lower_bound_seconds(w, BENCH_LINK_BYTES_PER_SECOND)
     return w.replace(expert_tokens=kept + dropped, dropped_tokens=dropped, capacity_factor=np.full(L, 1.25),
-                     rank_tokens=w.slot_tokens.reshape(L, W, P // W).sum(axis=2))
+                     rank_tokens=w.slot_tokens.reshape(L, W, P // W).sum(axis=2), a2a_bound_seconds=bound,
+                     a2a_over_bound=a2a_over_bound(w.dispatch_seconds + w.combine_seconds, bound))
 
 
 PHASES = ("decode", "validate", "derive", "triage", "export", "plan", "scrape")
