@@ -195,25 +195,70 @@ def render_readme_demo(records: list[dict[str, Any]]) -> str:
             + "\n```\n")
 
 
+def _load_averages(prov: dict[str, Any]) -> str:
+    if "load_average_before" not in prov or "load_average_after" not in prov:
+        return ""
+    return (f", load average {fmt(prov['load_average_before'][0])} before and "
+            f"{fmt(prov['load_average_after'][0])} after")
+
+
 def render_eplb(records: list[dict[str, Any]]) -> str:
     """The latest `bench eplb` run: per load and policy, the lowest balancedness after a rebalance, the
-    slots moved (in all, and at the first rebalance), the median call time and the most layers the gate
-    kept in one rebalance; then the goals. Every figure is one the result file holds."""
+    slots moved (in all, and at the first rebalance), the slots moved over the LP bound on the
+    rebalances bounded, the median call time, the longest and 99th-percentile wait of a Python thread
+    stepping every 1 ms beside the calls, and the most layers the gate kept in one rebalance; the
+    integer programs of the sampled layers; then the goals. Every figure is one the result file holds."""
     mine = _of(records, "eplb")
     if not mine:
         return _table([], [], "eplb", "moewatch bench eplb --json")
     latest = mine[-1]
     prov, result = latest["provenance"], latest["result"]
+    shape = result["shape"]
     lines = [f"Run: `{prov['command']}` at `{prov['commit'][:12]}`, `{prov['started_utc']}`, machine during the "
-             f"run: {machine_state(prov)}; from `{latest['file']}` in {RESULTS_SUBDIR}/.", "",
-             "| load | policy | balancedness after (lowest) | slots moved (in all; first rebalance) | "
-             "median call (s) | most layers kept by the gate |", "|---|---|---|---|---|---|"]
+             f"run: {machine_state(prov)}{_load_averages(prov)}; from `{latest['file']}` in {RESULTS_SUBDIR}/.", "",
+             f"Shape: {shape['layers']} layers x {shape['experts']} experts, {shape['slots']} slots, "
+             f"{shape['ranks']} GPUs, {shape['nodes']} nodes.", ""]
+    has_bound = any(f.get("bound") for policies in result["results"].values() for f in policies.values())
+    has_pause = any(f.get("pause") for policies in result["results"].values() for f in policies.values())
+    header = ["load", "policy", "balancedness after (lowest)", "slots moved (in all; first rebalance)"]
+    if has_bound:
+        header += ["rebalances bounded", "slots moved on them / LP bound", "moved over LP bound"]
+    header += ["median call (s)"]
+    if has_pause:
+        header += ["longest pause (ms)", "p99 pause (ms)"]
+    header += ["most layers kept by the gate"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for load, policies in result["results"].items():
         for policy, f in policies.items():
             kept = f.get("layers_kept_by_gate") or [0]
-            lines.append(f"| {load} | {policy} | {fmt(min(f['balancedness_after']))} | "
-                         f"{fmt(f['experts_moved_total'])}; {fmt(f['experts_moved'][0])} | "
-                         f"{fmt(f['solve_seconds_median'])} | {fmt(max(kept))} |")
+            cells = [load, policy, fmt(min(f["balancedness_after"])),
+                     f"{fmt(f['experts_moved_total'])}; {fmt(f['experts_moved'][0])}"]
+            bound = f.get("bound")
+            if has_bound:
+                cells += ["n/a", "n/a", "n/a"] if not bound else [
+                    ", ".join(fmt(t) for t in bound["rebalances"]),
+                    f"{fmt(bound['slots_moved'])} / {fmt(bound['lp_bound'])}", fmt(bound["moved_over_lp_bound"])]
+            cells.append(fmt(f["solve_seconds_median"]))
+            pause = f.get("pause")
+            if has_pause:
+                cells += ["n/a", "n/a"] if not pause else [
+                    fmt(None if pause["pause_max_seconds"] is None else pause["pause_max_seconds"] * 1e3),
+                    fmt(None if pause["pause_p99_seconds"] is None else pause["pause_p99_seconds"] * 1e3)]
+            cells.append(fmt(max(kept)))
+            lines.append("| " + " | ".join(cells) + " |")
+    samples = [(load, policy, o) for load, policies in result["results"].items() for policy, f in policies.items()
+               for o in (f.get("bound") or {}).get("integer_program", [])]
+    if samples:
+        lines += ["", f"The integer program on sampled layers of each load's first rebalance (time limit "
+                      f"{fmt(shape['optimum_seconds'])} s each; its bound is the LP's, or HiGHS's own when it "
+                      f"stopped at the limit with a better one; the whole reference took "
+                      f"{fmt(result['bound_seconds'])} s):", "",
+                  "| load | policy | layer | status | slots rewritten (best found) | no placement rewrites fewer than |"
+                  " LP bound | the policy's slots moved | seconds |", "|---|---|---|---|---|---|---|---|---|"]
+        for load, policy, o in samples:
+            lines.append(f"| {load} | {policy} | {fmt(o['layer'])} | {o['status']} | "
+                         f"{fmt(o['slots_rewritten'])} | {fmt(o['slots_rewritten_bound'])} | {fmt(o['lp_bound'])} | "
+                         f"{fmt(o['slots_moved'])} | {fmt(o['seconds'])} |")
     lines += ["", "Goals: " + ", ".join(f"{k} **{'pass' if v else 'fail'}**" for k, v in result["goals"].items())
               + "."]
     return "\n".join(lines) + "\n"

@@ -41,6 +41,18 @@ def test_the_eplb_page_has_no_table_outside_its_rendered_slot():
     assert [line for line in outside.splitlines() if line.startswith("|")] == []
 
 
+def test_the_eplb_page_has_no_figure_outside_its_rendered_slot():
+    # Prose beside the slot quotes no number: a figure typed there outlives the run it came from.
+    import re
+
+    from moewatch.tools.bench.render import SLOT, _numbers
+
+    outside = SLOT.sub("", (ROOT / "docs" / "benchmarks" / "eplb.md").read_text())
+    outside = re.sub(r"```.*?```", "", outside, flags=re.S)  # commands, not figures
+    outside = re.sub(r"\]\([^)]*\)", "]", outside)  # link targets
+    assert _numbers(outside) == []
+
+
 def _record(bench: str, result: dict, busy: bool, others: float = 0.5) -> dict:
     return {"bench": bench, "file": f"{bench}-x.json", "result": result,
             "provenance": {"commit": "0" * 40, "command": f"moewatch bench {bench} --json",
@@ -89,3 +101,23 @@ def test_the_pictures_are_what_drawing_gives():
         drawn = draw(records)
         assert drawn is not None, f"{page}: no result to draw it from"
         assert (ROOT / page).read_text() == drawn, f"{page}: run `moewatch bench render`"
+
+
+def test_the_eplb_table_shows_slots_over_the_lp_bound_the_pauses_and_the_integer_programs():
+    figures = {"balancedness_after": [0.994, 0.995], "experts_moved_total": 118, "experts_moved": [118, 0],
+               "solve_seconds_median": 0.0123, "layers_kept_by_gate": [0, 0],
+               "bound": {"rebalances": [0, 1], "slots_moved": 118, "lp_bound": 54, "moved_over_lp_bound": 2.185,
+                         "integer_program": [{"layer": 0, "status": "time limit", "slots_rewritten": None,
+                                              "slots_rewritten_bound": 54, "lp_bound": 54, "slots_moved": 118,
+                                              "seconds": 30.2}]},
+               "pause": {"pause_max_seconds": 0.0033, "pause_p99_seconds": 0.0017}}
+    result = {"shape": {"layers": 1, "experts": 256, "slots": 320, "ranks": 64, "nodes": 8, "optimum_seconds": 30.0},
+              "results": {"lognormal": {"moewatch": figures}}, "goals": {"longest_pause_at_most_5_ms": True},
+              "bound_seconds": 41.5}
+    records = [_record("eplb", result, busy=True)]
+    text = render_text("<!-- bench:eplb -->\n<!-- /bench:eplb -->\n", records)
+    row = next(line for line in text.splitlines() if line.startswith("| lognormal | moewatch"))
+    assert "| 0, 1 | 118 / 54 | 2.19 |" in row and "| 3.3 | 1.7 |" in row
+    assert "| lognormal | moewatch | 0 | time limit | n/a | 54 | 54 | 118 | 30.2 |" in text
+    assert "longest_pause_at_most_5_ms **pass**" in text
+    assert figures_without_result(text, records) == []
