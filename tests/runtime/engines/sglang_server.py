@@ -34,12 +34,16 @@ def spy_hooks(config):
     return lambda module, inputs, output: SPY_CALLS.append(module.layer_id)
 
 
-def _gloo() -> None:
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+def _gloo() -> bool:
+    """A one-rank gloo group for the recorder's all-reduce; True when this call made it (the caller
+    then destroys it, so a later test in the same process can make its own)."""
+    if dist.is_initialized():
+        return False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return True
 
 
 def metadata(pmap: torch.Tensor, ep_size: int):
@@ -56,7 +60,7 @@ def server(monkeypatch, *, ranks: dict | None = None, recorder_pmap: torch.Tenso
     """Inside: SGLang's configuration published with `server_args`, this process's `ranks`, and,
     with `recorder_pmap`, a real recorder (mode from server_args) published as SGLang's global one.
     Yields the recorder (or None)."""
-    _gloo()
+    made_group = _gloo()
     monkeypatch.setattr(expert_distribution, "get_device", lambda *a, **k: "cpu")
     previous = expert_distribution.get_global_expert_distribution_recorder()
     flags = runtime_context.get_flags().moe
@@ -78,6 +82,8 @@ def server(monkeypatch, *, ranks: dict | None = None, recorder_pmap: torch.Tenso
                 expert_distribution.set_global_expert_distribution_recorder(previous)
                 for name, value in saved_flags.items():  # initialize_moe_config's process-wide flags
                     setattr(flags, name, value)
+                if made_group:
+                    dist.destroy_process_group()
 
 
 def cuda_graph_setup_functions(*names: str) -> dict:
