@@ -230,7 +230,8 @@ def without_evidence(w: Window, fields) -> Window:
     if "expert_tokens" in fields:
         changes.update(rank_tokens=tm.rank_load(w), dropped_tokens=None, rerouted_tokens=None)
     if {"dispatch_seconds", "combine_seconds"} & set(fields):
-        changes["wait_seconds"] = None  # a wait is part of the all-to-all time: it goes with it
+        # A wait is part of the all-to-all time, and the time over the bound is made of it: they go with it.
+        changes.update(wait_seconds=None, a2a_bound_seconds=None, a2a_over_bound=None)
     if "example" in extra:
         extra["example"] = {**extra["example"], "absent": sorted(n for n, v in changes.items() if v is None)}
     return w.replace(extra=extra, **changes)
