@@ -52,7 +52,8 @@ SHARD_QUERIES = [f"moewatch / overview / {title} / {ref}"
 ENGINE_REBALANCE_QUERIES = [f"moewatch / overview / {title} / {ref}"
                             for title, refs in (("Engine rebalance calls", "A"), ("Layers per rebalance by outcome", "A"),
                                                 ("Slots moved", "A"), ("Predicted balancedness of the latest rebalance", "A"),
-                                                ("Predicted stall and call time", "AB"), ("Checked on the next window", "AB"))
+                                                ("Predicted stall and call time", "AB"), ("Checked on the next window", "AB"),
+                                                ("Steps since the last rebalance", "AB"))
                             for ref in refs]
 
 pytestmark = pytest.mark.slow
@@ -102,7 +103,8 @@ def load_by_path(relative: str, name: str):
 
 def send_engine_rebalances(sock: Path) -> None:
     """As an engine with moewatch's EPLB policy would: a window, one carrying a decided call that moved
-    layer 0 and a fallback, then one whose load leaves layer 0 worse (the next-window check)."""
+    layer 0 and a fallback, then one whose load leaves layer 0 worse (the next-window check); every
+    window says how the engine's rebalancing is configured, so the watchdog panels have data."""
     # tests/agent/conftest.py's FakeRuntime and make_window
     helpers = load_by_path("tests/agent/conftest.py", "moewatch_agent_test_helpers")
     W, L, E, P = 4, 2, 8, 12
@@ -120,8 +122,12 @@ def send_engine_rebalances(sock: Path) -> None:
     fallback = {"engine": "vllm", "fallback": True, "error": "RuntimeError: injected"}
     for i, (load, records) in enumerate([(even, None), (even, [decided, fallback]), (skewed, None)]):
         w = helpers.make_window(load, pmap, W, start_time=1000.0 + 10 * i, model=MODEL, ep_group=ENGINE_GROUP)
+        # The engine's rebalancing settings, as the adapter sends them with every window (the watchdog row).
+        extra = {**w.extra, "rebalancing": {"interval_steps": 100, "asynchronous": True, "observed": True,
+                                            "source": "vllm eplb_config"}}
         if records:
-            w = w.replace(extra={**w.extra, "engine_rebalance": records})
+            extra["engine_rebalance"] = records
+        w = w.replace(extra=extra)
         rt.send(w)
     rt.sock.close()
 
