@@ -141,16 +141,17 @@ class PairCounter:
         extra = 0
         if ids.dim() == 2 and self.top_k is not None and ids.shape[1] > self.top_k:
             extra, ids = ids.shape[1] - self.top_k, ids[:, :self.top_k]
-        n = ids.numel()
-        index = self._scratch[:n].view(ids.shape)
-        index.copy_(ids)
+        flat = ids.reshape(-1)
+        n = flat.shape[0]
+        index = self._scratch[:n]
+        index.copy_(flat)
         index.clamp_(-1, outside).remainder_(outside + 1)
         if topk_weights is not None:
-            zero = self._zero_weight[:n].view(ids.shape)
-            torch.eq(topk_weights[..., :ids.shape[-1]], 0, out=zero)
+            zero = self._zero_weight[:n]
+            torch.eq(topk_weights[..., :ids.shape[-1]].reshape(-1), 0, out=zero)
             index.masked_fill_(zero, outside)
         weights = self.weights if pair_weights is None else pair_weights
-        bins.index_add_(0, index.view(-1), weights[:n])
+        bins.index_add_(0, index, weights[:n])
         if extra:  # each real token's appended columns: `extra` pairs outside, per token's weight
             tokens = ids.shape[0]
             rest = self._scratch[n:n + tokens].fill_(outside)
