@@ -420,7 +420,8 @@ def render(results_dir: str | None, check: bool) -> None:
 
 NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:e[-+]?\d+)?")
 CODE_SPAN = re.compile(r"`[^`\n]*`")
-SCALES = (1.0, 100.0, 1000.0, 1e6, 2.0 ** -20)  # as recorded; a percentage; milli-, microunits; bytes in MiB
+# As recorded; a percentage; milli-, microunits; bytes in MiB; bytes per second in Mbit/s (link rates).
+SCALES = (1.0, 100.0, 1000.0, 1e6, 2.0 ** -20, 8e-6)
 
 
 def _numbers(text: str) -> list[str]:
