@@ -222,7 +222,7 @@ class Daemon:
         self.health.readiness["audit_log"] = lambda: Check("audit_log", self.audit.writable(), str(cfg.log.audit_log))
         self._ack_thread = threading.Thread(target=self._ack_loop, name="moewatch-acks", daemon=True)
         self._ack_thread.start()
-        if cfg.policy.mode != "observe":  # numba compiles the planner's loops on first use: here, not in a plan
+        if cfg.policy.mode != "observe" and mending_compiled.wanted():  # compile here, not in the first plan
             threading.Thread(target=self._warm_up_planner, name="moewatch-planner-warm-up", daemon=True).start()
         self.jobs.add("triage", self.triage_job, cfg.jobs.triage_interval_seconds)
         self.jobs.add("plan", self.plan_job, cfg.jobs.plan_interval_seconds)
@@ -294,6 +294,9 @@ class Daemon:
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         started = False
+        # The planner's numba loops cost the agent over 100 MB of memory for speed it does not need (it
+        # plans off any engine's step budget): numpy's loops, same plans, unless the operator asks.
+        mending_compiled.compile_only_when_asked()
         try:
             self.start()
             started = True

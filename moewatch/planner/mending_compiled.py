@@ -31,11 +31,26 @@ SWITCH = "MOEWATCH_PLANNER_COMPILED"
 _lock = threading.Lock()
 _kernel = None  # the compiled functions (Kernel), once built
 _unavailable: str | None = None  # why there is none
+# What an unset switch means in this process: on, except where the process asked otherwise
+# (`compile_only_when_asked`: the agent).
+_default_on = True
 
 
 def wanted(environ=os.environ) -> bool:
-    """False when MOEWATCH_PLANNER_COMPILED turns the compiled rounds off (0, false, no, off)."""
-    return environ.get(SWITCH, "").strip().lower() not in ("0", "false", "no", "off")
+    """False when MOEWATCH_PLANNER_COMPILED turns the compiled rounds off (0, false, no, off); when
+    it is unset, the process's default (on, unless `compile_only_when_asked` was called)."""
+    value = environ.get(SWITCH, "").strip().lower()
+    if not value:
+        return _default_on
+    return value not in ("0", "false", "no", "off")
+
+
+def compile_only_when_asked() -> None:
+    """Numpy's loops in this process unless MOEWATCH_PLANNER_COMPILED is set on. For the agent: it
+    plans off any engine's step budget, and loading numba costs it over 100 MB of resident memory,
+    more than a sidecar's memory limit leaves room for."""
+    global _default_on
+    _default_on = False
 
 
 @dataclass(frozen=True)
@@ -70,7 +85,7 @@ def kernel() -> Kernel | None:
 def unavailable_reason() -> str | None:
     """Why kernel() returns None, once it has been asked (None while it works)."""
     if not wanted():
-        return f"{SWITCH} is off"
+        return f"{SWITCH} is off" if os.environ.get(SWITCH, "").strip() else f"{SWITCH} is not set on"
     return _unavailable
 
 

@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from moewatch.agent.audit import read_audit
 from moewatch.agent.health import SystemdNotifier
@@ -120,3 +121,46 @@ def test_agent_process_notifies_systemd_and_stops_cleanly_on_sigterm(short_tmp):
         proc.communicate(timeout=10)
     assert read_audit(audit)[-1]["event"] == "agent_stopped"
     assert not (short_tmp / "agent.sock").exists(), "the socket file is removed on a clean stop"
+
+
+def _numba_loaded(pid: int) -> bool:
+    return "/numba/" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_agent_process_plans_without_numba_unless_asked(short_tmp):
+    """In act mode the agent's planner would load numba (over 100 MB of resident memory, more than a
+    256Mi sidecar limit leaves): `moewatch agent` keeps numpy's loops unless MOEWATCH_PLANNER_COMPILED
+    is set on, and then compiles them at start."""
+    def start(tag: str, **extra: str) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MOEWATCH_")}
+        env.update({"MOEWATCH_SERVER__LISTEN": "127.0.0.1:0", "MOEWATCH_POLICY__MODE": "act",
+                    "MOEWATCH_SERVER__SOCKET": str(short_tmp / f"{tag}.sock"),
+                    "MOEWATCH_LOG__AUDIT_LOG": str(short_tmp / f"{tag}.jsonl"), **extra})
+        return subprocess.Popen([sys.executable, "-m", "moewatch.cli", "agent"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def stop(proc: subprocess.Popen) -> str:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.communicate(timeout=30)[1]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+    asked = start("asked", MOEWATCH_PLANNER_COMPILED="1")
+    began = time.monotonic()
+    try:
+        while not _numba_loaded(asked.pid) and time.monotonic() - began < 60 and asked.poll() is None:
+            time.sleep(0.2)
+        took = time.monotonic() - began
+        assert _numba_loaded(asked.pid), "asked for, the compiled loops are loaded at start"
+    finally:
+        stop(asked)
+    default = start("default")
+    try:
+        time.sleep(max(3.0, 2 * took))  # twice what the asked-for agent needed to load them
+        assert default.poll() is None and not _numba_loaded(default.pid)
+    finally:
+        err = stop(default)
+    assert "numba" not in err

@@ -43,6 +43,17 @@ def test_switched_off_the_numpy_loops_run(monkeypatch):
     assert "numpy" in mending_compiled.warm_up()
 
 
+def test_a_process_that_compiles_only_when_asked_runs_numpys_loops_until_the_switch_is_on(monkeypatch):
+    monkeypatch.setattr(mending_compiled, "_default_on", True)
+    monkeypatch.delenv(mending_compiled.SWITCH, raising=False)
+    assert mending_compiled.wanted()
+    mending_compiled.compile_only_when_asked()
+    assert not mending_compiled.wanted() and mending_compiled.kernel() is None
+    assert "is not set on" in mending_compiled.unavailable_reason()
+    monkeypatch.setenv(mending_compiled.SWITCH, "1")
+    assert mending_compiled.wanted() and mending_compiled.kernel() is not None
+
+
 @pytest.mark.parametrize("length", [*range(0, 40), 63, 64, 127, 128, 129, 130, 255, 256, 257, 300, 1000, 1027])
 def test_a_row_is_summed_in_numpys_order(monkeypatch, length):
     monkeypatch.delenv(mending_compiled.SWITCH, raising=False)
