@@ -25,3 +25,13 @@ def benchmark_results_untouched():
     yield
     written = sorted(set(RESULTS.glob("*.json")) - set(before))
     assert not written, f"a test wrote benchmark results into the repository: {[p.name for p in written]}"
+
+
+@pytest.fixture(autouse=True)
+def planner_compile_default_restored(monkeypatch):
+    """A test that runs an agent session in this process (the demo, bench loop) switches the planner's
+    compiled loops to "only when asked", as `moewatch agent` does for its process: restored after it,
+    so the planner's own tests see the default they are written for."""
+    from moewatch.planner import mending_compiled
+
+    monkeypatch.setattr(mending_compiled, "_default_on", mending_compiled._default_on)

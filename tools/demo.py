@@ -252,6 +252,7 @@ def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str
     """Start an agent (in this process) on a socket in `work`, run `moewatch runtime` against it for
     `seconds`, wait for the agent to triage the last windows, stop the agent."""
     from moewatch.agent.daemon import Daemon
+    from moewatch.planner import mending_compiled
 
     work.mkdir(parents=True, exist_ok=True)
     socket_path = str(work / "agent.sock")
@@ -260,6 +261,9 @@ def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str
     cfg = build_config(flags={**agent_flags, "server.socket": socket_path, "server.listen": listen,
                               "log.audit_log": str(work / "audit.jsonl")}, environ={})
     recorder = recorder or Recorder(False, time.monotonic())
+    # As `moewatch agent` runs its planner: numpy's loops unless MOEWATCH_PLANNER_COMPILED is set on
+    # (numba would add over 100 MB to the agent's memory the summary reports).
+    mending_compiled.compile_only_when_asked()
     daemon = Daemon(cfg)
     daemon.window_listeners.append(recorder.on_window)
     daemon.start()
