@@ -29,7 +29,7 @@ def test_plan_applied_under_load_changes_epoch_and_map_without_losing_a_pair(fak
     old_map = replicated_placement(L, E, P, seed=1)
     new_map = replicated_placement(L, E, P, seed=2)
     fail_map = replicated_placement(L, E, P, seed=3)
-    sent = []
+    sent, stopped = [], []
 
     def react(message, agent):
         if isinstance(message, Window) and not sent:
@@ -43,6 +43,10 @@ def test_plan_applied_under_load_changes_epoch_and_map_without_losing_a_pair(fak
             agent.send(Plan(2, fail_map, [0.0, 0.0], reason="migration will fail on the last rank"))
         elif isinstance(message, wire.Ack) and len(sent) == 3:
             sent.append(("stop", message.step))
+        # Stop once the third plan is answered and a heartbeat has come (every 0.2 s): on a quiet
+        # machine the three plans can be answered before the first heartbeat is due.
+        if len(sent) == 4 and not stopped and agent.of_type(wire.Heartbeat):
+            stopped.append(True)
             os.kill(agent.messages[0][1].pid, signal.SIGTERM)  # rank 0 stops the group at a boundary
 
     agent = fake_agent(react)
