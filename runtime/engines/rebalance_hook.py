@@ -117,6 +117,18 @@ class RebalanceHookState:
         return self.records.take()
 
 
+def recorded_expert_bytes(environ: Mapping[str, str], engine_name: str, logger: logging.Logger) -> float | None:
+    """Bytes of one expert's weights for the records of the engine's own rebalances (MOEWATCH_EPLB_EXPERT_BYTES),
+    None when unset; a bad value is said once and the rebalances are recorded without bytes."""
+    if not environ.get("MOEWATCH_EPLB_EXPERT_BYTES"):
+        return None
+    try:
+        return RebalanceSettings.from_env(environ).expert_bytes
+    except ValueError as exc:
+        logger.warning("moewatch: %s; %s's rebalances are recorded without bytes", exc, engine_name)
+        return None
+
+
 def package_version(name: str) -> str:
     """The installed engine's version for a warning, or "unknown"."""
     try:

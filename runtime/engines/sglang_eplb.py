@@ -41,7 +41,7 @@ from moewatch.planner.placement_math import replica_counts_of
 from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gated_rebalance
 
 from . import sglang_routed
-from .rebalance_hook import RebalanceHookState, package_version
+from .rebalance_hook import RebalanceHookState, package_version, recorded_expert_bytes
 
 logger = logging.getLogger("moewatch.sglang.eplb")
 
@@ -80,11 +80,7 @@ def record_engine_algorithm(environ=os.environ) -> bool:
     when in place. Idempotent; never raises (another interface: one warning naming the version)."""
     if _hook.installed or _recording["installed"]:
         return True
-    if environ.get("MOEWATCH_EPLB_EXPERT_BYTES"):
-        try:
-            _recording["expert_bytes"] = RebalanceSettings.from_env(environ).expert_bytes
-        except ValueError as exc:
-            logger.warning("moewatch: %s; SGLang's rebalances are recorded without bytes", exc)
+    _recording["expert_bytes"] = recorded_expert_bytes(environ, "SGLang", logger)
     try:
         modules = _import_eplb()
     except ImportError as exc:

@@ -57,7 +57,7 @@ from moewatch.planner.rebalance import RebalanceDecision, RebalanceSettings, gat
 from moewatch.planner.static_placement import PLACEMENT_VARIABLE, StaticPlacement, static_decision
 from moewatch.shards import policy_digest
 
-from .rebalance_hook import RebalanceHookState, package_version as _package_version
+from .rebalance_hook import RebalanceHookState, package_version as _package_version, recorded_expert_bytes
 
 logger = logging.getLogger("moewatch.vllm.eplb")
 
@@ -243,12 +243,7 @@ def record_engine_policy(environ=os.environ) -> bool:
     another interface leaves vLLM's policy alone, with one warning naming the version."""
     if _hook.installed or _recording["installed"]:
         return True
-    expert_bytes = None
-    if environ.get("MOEWATCH_EPLB_EXPERT_BYTES"):
-        try:
-            expert_bytes = RebalanceSettings.from_env(environ).expert_bytes
-        except ValueError as exc:
-            logger.warning("moewatch: %s; vLLM's rebalances are recorded without bytes", exc)
+    expert_bytes = recorded_expert_bytes(environ, "vLLM", logger)
     try:
         policies = _import_policies()
     except ImportError as exc:

@@ -3,6 +3,7 @@ window built from logical counts, the folder sink."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -197,3 +198,15 @@ def test_ids_outside_the_experts_go_to_the_discard_bin_in_place_and_under_compil
     assert counter.counts.tolist() == [5, 3, 4, 2] and counter.discarded.tolist() == [7]
     assert torch.equal(ids, kept) and (counter.counts.data_ptr(), weights.scratch.data_ptr()) == storage
     assert counter.buffers()["discarded_pairs"] is counter.discarded
+
+
+def test_expert_bytes_for_the_engines_own_rebalances_are_read_once_for_both_engines(caplog):
+    from moewatch.runtime.engines.rebalance_hook import recorded_expert_bytes
+
+    logger = logging.getLogger("test.expert_bytes")
+    assert recorded_expert_bytes({}, "vLLM", logger) is None
+    assert recorded_expert_bytes({"MOEWATCH_EPLB_EXPERT_BYTES": "1.5e8"}, "vLLM", logger) == 1.5e8
+    with caplog.at_level(logging.WARNING, logger="test.expert_bytes"):
+        assert recorded_expert_bytes({"MOEWATCH_EPLB_EXPERT_BYTES": "lots"}, "SGLang", logger) is None
+    assert len(caplog.records) == 1
+    assert "MOEWATCH_EPLB_EXPERT_BYTES" in caplog.text and "SGLang's rebalances are recorded without bytes" in caplog.text
