@@ -86,13 +86,36 @@ def read_load(path: str | Path) -> LoadFile:
 
 
 def _read_window_folder(folder: Path) -> LoadFile:
-    """Every window file in `folder` (JSON `*.json`, binary ones by their magic), in name order; the
-    temporary files a writer renames into place are not windows yet."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.endswith(".tmp")
-                   and (p.suffix.lower() == ".json" or _is_binary_window(p)))
+    files = window_files(folder)
     if not files:
         raise FileFormatError(folder, "no window files (*.json or binary windows) in this folder")
     return _load_of_windows(files)
+
+
+def window_files(folder: Path) -> list[Path]:
+    """Every window file in `folder` (JSON `*.json`, binary ones by their magic), in name order; the
+    temporary files a writer renames into place are not windows yet."""
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and not p.name.endswith(".tmp")
+                  and (p.suffix.lower() == ".json" or _is_binary_window(p)))
+
+
+def is_window_file(path: Path) -> bool:
+    """A binary window (by its magic) or a JSON file; a JSON file's content decides when it is read."""
+    return _is_binary_window(path) or Path(path).suffix.lower() == ".json"
+
+
+def read_window(path: Path) -> Any:
+    """One window file (JSON or binary), checked whole -> Window; FileFormatError naming the file."""
+    from ..telemetry import Window, WindowError  # the planner reads windows only here
+
+    path = Path(path)
+    try:
+        blob = path.read_bytes()
+        return Window.from_bytes(blob) if blob[:4] == b"MWW1" else Window.from_json(blob)
+    except OSError as exc:
+        raise FileFormatError(path, f"cannot read ({exc.strerror or exc})") from None
+    except WindowError as exc:
+        raise FileFormatError(path, f"invalid window: {exc}") from None
 
 
 def _is_binary_window(path: Path) -> bool:
@@ -106,18 +129,10 @@ def _is_binary_window(path: Path) -> bool:
 def _load_of_windows(paths: list[Path]) -> LoadFile:
     """Windows (each checked whole) -> their expert_tokens [L, E] summed; every window must have the
     first one's L and E, and carry expert_tokens (a window of per-rank totals says nothing per expert)."""
-    from ..telemetry import Window, WindowError  # the planner reads windows only here
-
     total: np.ndarray | None = None
     slot_counts: set[int] = set()
     for path in paths:
-        try:
-            blob = path.read_bytes()
-            window = Window.from_bytes(blob) if blob[:4] == b"MWW1" else Window.from_json(blob)
-        except OSError as exc:
-            raise FileFormatError(path, f"cannot read ({exc.strerror or exc})") from None
-        except WindowError as exc:
-            raise FileFormatError(path, f"invalid window: {exc}") from None
+        window = read_window(path)
         if window.expert_tokens is None:
             raise FileFormatError(path, "expert_tokens: absent (a window of per-rank totals has no load per expert)")
         counts = window.expert_tokens.astype(np.float64)
