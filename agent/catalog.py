@@ -21,6 +21,7 @@ import pkgutil
 from . import metrics as _metrics
 from .metrics import actions, connections, groups, identity, jobs
 from .metrics import engine_rebalance as er
+from .metrics import ledger
 from .metrics import rank_speed as rs
 from .metrics import rebalance_watchdog as rw
 from .metrics import shards
@@ -60,6 +61,8 @@ METRICS: tuple[Family, ...] = (
     er.CALLS_TOTAL, er.LAYERS_TOTAL, er.EXPERTS_MOVED_TOTAL, er.BALANCEDNESS, er.PREDICTED_STALL, er.SOLVE_SECONDS,
     er.VERDICTS_TOTAL, er.LAYERS_WORSE_TOTAL,
     rw.INTERVAL_STEPS, rw.ASYNCHRONOUS, rw.STEPS_SINCE, rw.OVERDUE, rw.STEP_STALL,
+    ledger.ENTRIES_TOTAL, ledger.STALL, ledger.STALL_TOTAL, ledger.GAIN_PER_STEP, ledger.NET, ledger.BREAK_EVEN_STEPS,
+    ledger.HORIZON_STEPS, ledger.BALANCEDNESS, ledger.STEP_SECONDS, ledger.LAST_TIMESTAMP,
     w.LAYER_UNHEALTHY_WINDOWS,
     # --- per sharded EP group, the shard merge
     shards.SHARD_WINDOWS_TOTAL, shards.SHARDS_MISSING_TOTAL, shards.SHARDS_REFUSED_TOTAL,

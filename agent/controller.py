@@ -277,16 +277,21 @@ class Controller:
             for layer in flight.changed_layers:
                 ctl.last_change[layer] = now
             ctl.plans_applied += 1
+            # The slots whose expert the plan changed, and when it was sent: the rebalance ledger's (agent/ledger.py).
+            changed_slots = int((flight.plan.physical_to_logical_map != flight.previous_map).sum())
+            ledger_fields = {"sent_at": flight.sent_at, "applied_at": now, "slots_moved": changed_slots,
+                             "bytes_moved": float(changed_slots * self.cfg.cost.expert_bytes)}
             moved = sum(int(d.after.get("slots_moved", 0)) for d in flight.decisions)
             if moved == 0:
-                moved = int((flight.plan.physical_to_logical_map != flight.previous_map).sum())
+                moved = changed_slots
             if moved > 0 and ack.stall_seconds > 0:
                 observed = ack.stall_seconds / moved
                 ctl.stall_per_slot = observed if ctl.stall_per_slot is None else 0.5 * (ctl.stall_per_slot + observed)
             if flight.rollback_of is not None:
                 ctl.rollbacks += 1
                 self._record(group, "rolled_back", epoch=flight.plan.epoch, rollback_of=flight.rollback_of,
-                             layers=list(flight.changed_layers), stall_seconds=ack.stall_seconds, step=ack.step)
+                             layers=list(flight.changed_layers), stall_seconds=ack.stall_seconds, step=ack.step,
+                             **ledger_fields)
                 # After the audit line: whoever sees the counters move can read why.
                 self._count(group, "rollback", "applied")
                 return None
@@ -294,7 +299,7 @@ class Controller:
                 self._count(group, d.kind, "applied")
             self._record(group, "plan_applied", epoch=flight.plan.epoch, layers=list(flight.changed_layers),
                          kinds=flight.kinds, stall_seconds=ack.stall_seconds, step=ack.step,
-                         layers_changed=ack.layers_changed,
+                         layers_changed=ack.layers_changed, **ledger_fields,
                          predicted={d.layers[0]: d.after for d in flight.decisions if d.layers})
             if flight.baseline:
                 ctl.verifying = flight

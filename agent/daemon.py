@@ -33,6 +33,7 @@ from moewatch.triage import diagnose
 from moewatch.wire import Ack, Heartbeat, Hello
 
 from . import engine_rebalance, rebalance_watchdog
+from .ledger import RebalanceLedgers
 from .actuation import ActuationWorker
 from .audit import AuditLog, jsonable
 from .config import AgentConfig
@@ -157,6 +158,8 @@ class Daemon:
         self._rebalance_status: dict[tuple[str, str], dict[str, Any] | None] = {}
         # group -> the watch on the engine's own rebalancing (rebalance_watchdog.py); replaced, never changed
         self._rebalance_watch: dict[tuple[str, str], rebalance_watchdog.Watch] = {}
+        # Every rebalance's cost and gain, measured on the windows around it (agent/ledger.py).
+        self.ledgers = RebalanceLedgers(self.metrics, lambda: self.audit, cfg.verify.windows)
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -181,6 +184,7 @@ class Daemon:
             raise StartupError(str(exc)) from None
         self.actuation = ActuationWorker(actuator, self._on_actuation)
         self.controller = Controller(cfg, self.store, self.metrics, self.audit, actuator, worker=self.actuation)
+        self.controller.listeners.append(self._on_control_entry)
         for reason in ("max_connections", "out_of_descriptors", "http_max_connections"):
             self.metrics[CONNECTIONS_REFUSED_TOTAL].inc((reason,), 0)
         for reason in CLOSED_REASONS:
@@ -524,6 +528,7 @@ class Daemon:
             record_window(self.metrics, group.export, window, diagnosis, self.cfg.exporters.expert_metrics)
             self._engine_rebalance(group, window)
             self._watch_rebalancing(group, window)
+            self.ledgers.on_window(group.key, window)
             triaged = TriagedWindow(window, diagnosis, time.time())
             if not group.add_triaged(triaged):
                 continue  # the old lineage's: exported, never counted for the new runtime
@@ -585,6 +590,12 @@ class Daemon:
                 self.audit.record("engine_rebalance_overdue", model=group.key[0], ep_group=group.key[1],
                                   window_end=window.end_time, steps_since=watch.steps_since,
                                   interval_steps=watch.settings.interval_steps)
+
+    def _on_control_entry(self, entry: dict[str, Any]) -> None:
+        """A plan the controller put in force joins its group's rebalance ledger (on the Ack thread)."""
+        group = self.store.get((entry.get("model"), entry.get("ep_group")))
+        hello = None if group is None else group.hello
+        self.ledgers.on_control_entry(entry, "" if hello is None else hello.runtime)
 
     @staticmethod
     def _warm_up_planner() -> None:
@@ -652,6 +663,7 @@ class Daemon:
         self.shards.forget(group.key)
         self._rebalance_checks.pop(group.key, None)
         self._rebalance_watch.pop(group.key, None)
+        self.ledgers.forget(group.key)
         self.metrics.remove_group(group.key)
         self.metrics[GROUPS_EVICTED_TOTAL if how == "evicted" else GROUPS_RETIRED_TOTAL].inc(())
         if self.audit is not None:
@@ -704,6 +716,7 @@ class Daemon:
                 **watch.settings.to_extra()["rebalancing"], "steps_since": watch.steps_since,
                 "rebalances": watch.rebalances, "overdue": watch.overdue}
             item["shards"] = self.shards.status(group.key)
+            item["ledger"] = self.ledgers.status(group.key)
             groups.append(item)
         return {"agent": {"version": __version__, "mode": self.cfg.policy.mode, "socket": self.cfg.server.socket,
                           "started_at": self.started_at, "audit_log": self.cfg.log.audit_log,

@@ -52,6 +52,9 @@ def render(status: dict[str, Any], colour: bool) -> str:
             lines.append(f"  {slo_line}")
         for line in format_engine_rebalance(g.get("engine_rebalance"), colour):
             lines.append(f"  {line}")
+        ledger_line = format_ledger(g.get("ledger"), colour)
+        if ledger_line:
+            lines.append(f"  {ledger_line}")
         shards_line = format_shards(g.get("shards"), colour)
         if shards_line:
             lines.append(f"  {shards_line}")
@@ -110,6 +113,26 @@ def format_engine_rebalance(status: dict[str, Any] | None, colour: bool) -> list
     if failed:
         lines.append(f"latest fallback {_clock(failed.get('window_end'))}: {failed.get('error', '')[:100]}")
     return lines
+
+
+def format_ledger(status: dict[str, Any] | None, colour: bool) -> str:
+    """The group's rebalance ledger (the agent's status.ledger): the latest settled rebalance, whose it
+    was, whether it paid and its net, with the counts so far; empty before the first."""
+    if not status or not status.get("last"):
+        return ""
+    last = status["last"]
+    even = last.get("break_even_steps")
+    outcome = {"paid": "paid", "did_not_pay": "DID NOT PAY", "unknown": "unknown"}.get(last.get("outcome"), "?")
+    if colour and last.get("outcome") == "did_not_pay":
+        outcome = click.style(outcome, fg="red")
+    net = last.get("net_seconds")
+    return (f"ledger: last rebalance {_clock(last.get('rebalanced_at'))} by {last.get('policy', '?')}: {outcome}, net "
+            f"{'?' if net is None else format(net, '+.3f')} s over {_num(last.get('horizon_steps'), '.0f')} steps "
+            f"(stall {_num(last.get('stall_seconds'), '.3f')} s, gain "
+            f"{_num(None if last.get('gain_seconds_per_step') is None else last['gain_seconds_per_step'] * 1e3, '.3f')}"
+            f" ms/step, break-even {'never' if even is None and last.get('gain_seconds_per_step') is not None else _num(even, '.0f')}"
+            f" steps); {status.get('entries', 0)} settled, {status.get('paid', 0)} paid, "
+            f"{status.get('did_not_pay', 0)} did not")
 
 
 def format_shards(status: dict[str, Any] | None, colour: bool) -> str:

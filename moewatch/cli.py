@@ -23,6 +23,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "agent": ("moewatch.agent.cli:agent", "Run the sidecar agent (the daemon)."),
     "demo": ("moewatch.tools.demo:demo", "Run the reference runtime and the agent together, wired through a socket."),
     "top": ("moewatch.agent.cli:top", "Live per-layer view of a running agent."),
+    "ledger": ("moewatch.ledger_cli:ledger", "Every rebalance in recorded windows or an audit log: stall, gain, net, paid or not."),
+    "replay": ("moewatch.replay.cli:replay_command", "Replay recorded windows through the rebalancing policies; recommend EPLB settings."),
     "report": ("moewatch.report:report", "Draw a window as one picture (PNG): time split, rank and expert load, traffic."),
     "bench": ("moewatch.tools.bench:bench", "Benchmarks: planner, probe, agent, vLLM, closed loop."),
 }

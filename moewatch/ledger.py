@@ -53,18 +53,21 @@ OUTCOMES = ("paid", "did_not_pay", "unknown")
 HORIZONS = ("next_rebalance", "configured_interval", "observed")
 AGENT_PLAN = "agent_plan"
 AGENT_ROLLBACK = "agent_rollback"
-ENGINE_OWN = {"vllm": "vllm_default", "sglang": "sglang_own"}  # the engine's own algorithm, as recorded
+ENGINE_OWN = "engine_own"  # the engine's own algorithm (the record's engine says which)
+MOEWATCH_IN_ENGINE = "moewatch_in_engine"
+POLICIES = (ENGINE_OWN, MOEWATCH_IN_ENGINE, AGENT_PLAN, AGENT_ROLLBACK)
+POLICY_TEXT = {ENGINE_OWN: "{engine}'s own policy", MOEWATCH_IN_ENGINE: "moewatch's policy in {engine}",
+               AGENT_PLAN: "the agent's plan", AGENT_ROLLBACK: "the agent's rollback"}
 
 
 def policy_label(record: Mapping[str, Any]) -> str:
-    """Whose policy answered an engine rebalance record: the engine's own (`vllm_default`: vLLM's
-    "default" EPLB policy, which the adapter wraps; `sglang_own`: SGLang's rebalance_experts with its
-    configured algorithm, deepseek by default), also when moewatch's policy fell back to it after an
-    error; `moewatch_in_<engine>` for moewatch's policy answering inside the engine."""
-    engine = str(record.get("engine"))
+    """Whose policy answered an engine rebalance record: the engine's own (`engine_own`: the algorithm
+    the adapter wraps, vLLM's "default" EPLB policy or SGLang's rebalance_experts with its configured
+    algorithm), also when moewatch's policy fell back to it after an error; `moewatch_in_engine` for
+    moewatch's policy answering inside the engine."""
     if record.get("policy") == "engine" or record.get("fallback") is True:
-        return ENGINE_OWN.get(engine, f"{engine}_own")
-    return f"moewatch_in_{engine}"
+        return ENGINE_OWN
+    return MOEWATCH_IN_ENGINE
 
 
 # --- the arithmetic -------------------------------------------------------------------------------
@@ -286,7 +289,7 @@ def measure(r: Rebalance, before: Sequence[WindowPoint], during: Sequence[Window
     itl = {name: itl_over(slo, *span) for name, span in spans.items()}
     layers = r.layers_changed
     entry = {
-        "policy": r.policy, "engine": r.engine, "time": r.time, "settled": settled,
+        "policy": r.policy, "engine": r.engine, "rebalanced_at": r.time, "settled": settled,
         "layers_changed": None if layers is None else list(layers), "slots_moved": r.slots_moved,
         "bytes_moved": r.bytes_moved,
         "windows": {"before": len(before), "during": len(during), "after": len(after)},
@@ -403,6 +406,44 @@ class Ledger:
         return settled
 
 
+# --- from a Window ---------------------------------------------------------------------------------
+
+def bounded_policy(policy: str) -> str:
+    """A policy as a metric label: one of POLICIES, anything else `other`."""
+    return policy if policy in POLICIES else "other"
+
+
+def slo_interval(extra: Mapping[str, Any]) -> SloInterval | None:
+    """The SLO interval a window's extra.slo carries (moewatch/slo.py), None without one."""
+    from .slo import SLO_KEY
+
+    slo = extra.get(SLO_KEY)
+    if not isinstance(slo, dict) or not isinstance(slo.get("quantiles"), dict):
+        return None
+    start, end = _number(slo.get("start_time")), _number(slo.get("end_time"))
+    if start is None or end is None:
+        return None
+    itl = slo["quantiles"].get("itl") or {}
+    itl = itl if isinstance(itl, dict) else {}
+    return SloInterval(start, end, _number(itl.get("p50")), _number(itl.get("p99")))
+
+
+def add_window_of(ledger: Ledger, window: Any) -> list[dict[str, Any]]:
+    """Feed one moewatch Window (telemetry.Window) to a ledger: its step times, measured balancedness,
+    the rebalance records and settings of its extra, its SLO interval."""
+    from .engine_rebalancing import RebalancingSettings
+    from .telemetry import balancedness
+
+    try:
+        settings = RebalancingSettings.from_extra(window.extra)
+    except (TypeError, ValueError):  # the runtime's input: a malformed one says no interval
+        settings = None
+    records = window.extra.get("engine_rebalance")
+    return ledger.add_window(window.start_time, window.end_time, window.epoch, window.steps, window.step_seconds,
+                             balancedness(window), records if isinstance(records, list) else (),
+                             None if settings is None else settings.interval_steps, slo_interval(window.extra))
+
+
 # --- reading entries back -------------------------------------------------------------------------
 
 def format_entry(e: Mapping[str, Any]) -> str:
@@ -412,11 +453,12 @@ def format_entry(e: Mapping[str, Any]) -> str:
     def num(value, spec: str, scale: float = 1.0) -> str:
         return "?" if value is None else format(value * scale, spec)
 
-    when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.gmtime(e["time"])) if e.get("time") is not None else "?"
+    when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.gmtime(e["rebalanced_at"])) if e.get("rebalanced_at") is not None else "?"
     layers = e.get("layers_changed")
     group = f"{e['model']}/{e['ep_group']} " if e.get("model") else ""
     even = e.get("break_even_steps")
-    text = (f"{when} {group}{e['policy']}: {'?' if layers is None else len(layers)} layers, "
+    whose = POLICY_TEXT.get(e.get("policy"), str(e.get("policy"))).format(engine=e.get("engine") or "the engine")
+    text = (f"{when} {group}{whose}: {'?' if layers is None else len(layers)} layers, "
             f"{num(e.get('slots_moved'), '.0f')} slots"
             + ("" if e.get("bytes_moved") is None else f" ({e['bytes_moved'] / 1e6:.1f} MB)")
             + f"; balancedness {num(e.get('balancedness_before'), '.3f')} -> {num(e.get('balancedness_after'), '.3f')}"

@@ -40,7 +40,7 @@ def test_an_engine_rebalance_that_did_not_pay_over_its_configured_interval():
                {"steps": steps_of(0.008), "bal": [0.9, 0.8], "interval": 100}]
     assert feed(ledger, windows) == []  # one window after it: still open
     [entry] = ledger.add_window(1004.0, 1005.0, 0, STEPS, steps_of(0.008), np.array([0.9, 0.8]), interval_steps=100)
-    assert entry["settled"] and entry["policy"] == "vllm_default" and entry["engine"] == "vllm"
+    assert entry["settled"] and entry["policy"] == "engine_own" and entry["engine"] == "vllm"
     assert entry["layers_changed"] == [0] and entry["slots_moved"] == 4 and entry["bytes_moved"] == 4000.0
     assert entry["windows"] == {"before": 2, "during": 1, "after": 2}
     assert entry["step_seconds_before"] == pytest.approx(0.010, rel=1e-12)
@@ -55,7 +55,7 @@ def test_an_engine_rebalance_that_did_not_pay_over_its_configured_interval():
     assert entry["balancedness_before"] == pytest.approx(0.6) and entry["balancedness_after"] == pytest.approx(0.85)
     assert entry["balancedness_changed_layers_before"] == pytest.approx(0.5)
     assert entry["balancedness_changed_layers_after"] == pytest.approx(0.9)
-    assert entry["time"] == 1003.5 and entry["recorded"]["digest"] == "ab"
+    assert entry["rebalanced_at"] == 1003.5 and entry["recorded"]["digest"] == "ab"
 
 
 def test_the_horizon_is_the_steps_to_the_next_rebalance_once_it_has_come():
@@ -95,7 +95,7 @@ def test_the_agents_plan_is_placed_by_its_times_and_epochs_even_when_its_ack_com
                        bytes_moved=3e6, between_steps_stall_seconds=0.2, engine="moewatch-runtime")
     assert ledger.add_plan(plan) == []
     [entry] = ledger.add_window(1004.0, 1005.0, 1, STEPS, steps_of(0.015), np.array([0.8, 0.9]))
-    assert entry["policy"] == "agent_plan" and entry["plan"]["epoch"] == 1 and entry["time"] == 1002.5
+    assert entry["policy"] == "agent_plan" and entry["plan"]["epoch"] == 1 and entry["rebalanced_at"] == 1002.5
     assert entry["windows"] == {"before": 2, "during": 1, "after": 2}
     assert entry["stall_between_steps_seconds"] == 0.2
     assert entry["stall_seconds"] == pytest.approx(0.03 + 0.2, rel=1e-9)
@@ -120,17 +120,16 @@ def test_itl_quantiles_are_the_slo_intervals_over_each_phase():
 
 
 def test_whose_policy_and_what_makes_no_entry():
-    assert policy_label({"engine": "vllm", "policy": "engine"}) == "vllm_default"
-    assert policy_label({"engine": "sglang", "policy": "engine"}) == "sglang_own"
-    assert policy_label({"engine": "sglang", "fallback": True, "error": "x"}) == "sglang_own"
-    assert policy_label({"engine": "vllm", "layer_outcomes": {"moved": 1}}) == "moewatch_in_vllm"
+    assert policy_label({"engine": "vllm", "policy": "engine"}) == "engine_own"
+    assert policy_label({"engine": "sglang", "fallback": True, "error": "x"}) == "engine_own"
+    assert policy_label({"engine": "vllm", "layer_outcomes": {"moved": 1}}) == "moewatch_in_engine"
     ledger = Ledger(windows=1)
     moewatch = {"engine": "sglang", "layer_outcomes": {"moved": 1}, "experts_moved": 5,
                 "layers_by_reason": {"moved": [2], "kept: no load": [0, 1]}}
     settled = feed(ledger, [{"steps": None}, {"steps": None, "records": [
         vllm_record([], 0), "not a record", {"engine": 3}, moewatch]}, {"steps": None}])
     [entry] = settled  # the call that moved nothing and the malformed ones make none
-    assert entry["policy"] == "moewatch_in_sglang" and entry["layers_changed"] == [2] and entry["slots_moved"] == 5
+    assert (entry["policy"], entry["engine"]) == ("moewatch_in_engine", "sglang") and entry["layers_changed"] == [2] and entry["slots_moved"] == 5
     # Windows without step times: nothing measured, nothing guessed.
     assert entry["stall_seconds"] is None and entry["gain_seconds_per_step"] is None
     assert entry["net_seconds"] is None and entry["outcome"] == "unknown"
