@@ -1,0 +1,91 @@
+"""The replay's text report (what the command prints, and what docs/eplb-advice.md shows, rendered from
+a result file) and its result file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULT_SCHEMA = "moewatch.replay/v1"
+RESULT_FILE = "replay.json"
+PICTURE_FILE = "replay.svg"
+
+
+def _g(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.{digits}g}"
+
+
+def render_text(result: dict[str, Any]) -> str:
+    """The report of a result file's content, the same on every rendering."""
+    inputs, geo, cost, mig = result["inputs"], result["geometry"], result["step_cost"], result["migration"]
+    rec = inputs["recorded"]
+    lines = [f"replay of {inputs['windows']} windows ({inputs['steps']} steps, {inputs['runtime']} "
+             f"{inputs['model']} {inputs['ep_group']}) at {geo['ranks']} ranks, {geo['slots']} slots, "
+             f"{geo['nodes']} node(s) [recorded at {rec['ranks']} ranks, {rec['slots']} slots]; engine {result['engine']}"]
+    if cost["source"] == "unknown":
+        lines.append(f"step cost: unknown ({cost['note']})")
+    else:
+        fitted = (f"a = {_g(cost['seconds_per_busiest_pair'])} s per busiest-GPU pair"
+                  + (f", c = {_g(cost['seconds_per_token'])} s per token" if cost["seconds_per_token"] is not None else "")
+                  + (f", fixed = {_g(cost['fixed_seconds'])} s" if cost["fixed_seconds"] is not None else ""))
+        lines.append(f"step cost ({cost['source']}, {cost['samples']} windows, R^2 {_g(cost['r2'])}): {cost['model']}; "
+                     f"{fitted}")
+        if cost["note"]:
+            lines.append(f"  note: {cost['note']}")
+    lines.append(f"stall: {_g(mig['expert_bytes'])} bytes per slot moved ({mig['expert_bytes_source']}), "
+                 f"{_g(mig['bytes_per_second'])} bytes/s ({mig['rate_source']})")
+    lines.append(f"{'policy':16s} {'interval':>8s} {'rebal':>5s} {'balanced':>8s} {'slots':>6s} {'bytes':>9s} "
+                 f"{'stall s':>9s} {'gain s':>9s} {'net s/h':>9s}")
+    steps = {i["label"]: i for i in result["intervals"]}
+    for policy, figures in result["policies"].items():
+        for label, f in figures.items():
+            shown = label if label == "-" else str(steps[label]["steps"])
+            flag = "" if label == "-" or steps[label]["enough_rebalances"] else "  (too few rebalances)"
+            lines.append(f"{policy:16s} {shown:>8s} {f['rebalances']:5d} {f['balancedness']:8.3f} "
+                         f"{f['slots_moved']:6d} {_g(float(f['bytes_moved'])):>9s} {_g(f['stall_seconds']):>9s} "
+                         f"{_g(f['gain_seconds']):>9s} {_g(f['net_seconds_per_hour']):>9s}{flag}")
+    rec_ = result["recommendation"]
+    if rec_ is None:
+        lines.append(f"no recommendation: {result['no_recommendation']}")
+    else:
+        lines.append(f"recommendation: {rec_['why']}")
+        s = rec_["settings"]
+        if s.get("plan"):
+            lines.append(f"  placement: {s['plan']}")
+        if s.get("args"):
+            lines.append(f"  {result['engine']} flags: {s['args']}")
+        if s.get("env"):
+            lines.append(f"  environment: {s['env']}")
+        if s.get("note"):
+            lines.append(f"  {s['note']}")
+        if result["migration"]["assumed"] and rec_["choice"] != "off":
+            lines.append("  (the stall is priced with an assumed figure above: give --expert-bytes / --migration-rate)")
+    return "\n".join(lines) + "\n"
+
+
+def write_result(out_dir: Path, result: dict[str, Any], picture: str) -> dict[str, str]:
+    """Write replay.json and replay.svg into out_dir (each to a temporary name, then renamed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, text in ((RESULT_FILE, json.dumps(result, indent=1, allow_nan=False, default=_jsonable) + "\n"),
+                       (PICTURE_FILE, picture)):
+        tmp = out_dir / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out_dir / name)
+        written[name] = str(out_dir / name)
+    return written
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON: {type(value).__name__}")
