@@ -465,6 +465,6 @@ def format_entry(e: Mapping[str, Any]) -> str:
             f"; step {num(e.get('step_seconds_before'), '.2f', 1e3)} -> {num(e.get('step_seconds_after'), '.2f', 1e3)} ms"
             f"; stall {num(e.get('stall_seconds'), '.3f')} s, gain {num(e.get('gain_seconds_per_step'), '.3f', 1e3)} "
             f"ms/step, net {num(e.get('net_seconds'), '+.3f')} s over {num(e.get('horizon_steps'), '.0f')} steps"
-            f" ({e.get('horizon') or '?'}), break-even {'never' if even is None and e.get('gain_seconds_per_step') is not None else num(even, '.0f')} steps"
+            f" ({e.get('horizon') or '?'}), break-even {'never' if even is None and e.get('gain_seconds_per_step') is not None else num(even, '.1f')} steps"
             f": {e.get('outcome', 'unknown').replace('_', ' ')}" + ("" if e.get("settled", True) else " (open)"))
     return text

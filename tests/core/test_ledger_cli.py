@@ -47,7 +47,7 @@ def test_a_window_folder_gives_one_entry_per_rebalance(hand, tmp_path):
     assert text.exit_code == 0 and len(text.stdout.splitlines()) == 1
     line = text.stdout
     assert "m/g sglang's own policy: 1 layers, 2 slots (2.0 MB)" in line
-    assert "stall 0.200 s, gain 4.000 ms/step, net -0.168 s over 8 steps (observed), break-even 50 steps" in line
+    assert "stall 0.200 s, gain 4.000 ms/step, net -0.168 s over 8 steps (observed), break-even 50.0 steps" in line
     assert line.rstrip().endswith("did not pay")
 
 
