@@ -211,6 +211,7 @@ def overview() -> dash_b.Dashboard:
         ("Agent decisions", [actions, rollbacks]),
         ("Engine rebalancing with moewatch's policy (MOEWATCH_EPLB=1)", engine_rebalance_panels()),
         ("Engine rebalancing: still happening, and what it stalls", rebalance_watch_panels()),
+        ("Rebalance ledger: did each rebalance pay?", ledger_panels()),
         ("Sharded groups (one shard per DP rank)", shard_panels()),
     ])
 
@@ -280,6 +281,43 @@ def rebalance_watch_panels() -> list[Any]:
                f"increase(moewatch_engine_rebalance_step_stall_seconds_count{{{GROUP_SEL}}}[$__rate_interval])",
                "{{model}}/{{ep_group}}", "A")], width=12).draw_style(common.GraphDrawStyle.POINTS)
     return [since, stall]
+
+
+def ledger_panels() -> list[Any]:
+    """The rebalance ledger (docs/eplb-advice.md, "The ledger: reading a rebalance"): each settled rebalance,
+    whoever's policy made it, paid or not, its stall against its gain, net and break-even."""
+    outcomes = increase_bars(
+        "Rebalances by policy and outcome", "Rebalances the ledger settled per interval, by whose policy made them "
+        "(engine_own, moewatch_in_engine, agent_plan, agent_rollback) and whether they paid (net seconds > 0), "
+        "did_not_pay, or are unknown (no step times).", "moewatch_rebalance_ledger_entries_total",
+        "policy, outcome", "{{policy}} {{outcome}}").stacking(common_b.StackingConfig().mode(common.StackingMode.NORMAL))
+    net = series_panel(
+        "Net seconds of the latest rebalance", "Gain per step x steps until the next rebalance (or the configured "
+        "interval, or the steps seen since) - stall. Below zero the rebalance cost more than it bought.", "s",
+        [query(f"moewatch_rebalance_ledger_net_seconds{{{GROUP_SEL}}}", "{{policy}} {{model}}/{{ep_group}}", "A")],
+        width=8).draw_style(common.GraphDrawStyle.POINTS)
+    stall_gain = series_panel(
+        "Stall and gain per step", "The latest rebalance's stall (step time beyond the pace before while weights "
+        "moved, plus a runtime's wait between steps) and its gain per step (pace before - after).", "s",
+        [query(f"moewatch_rebalance_ledger_stall_seconds{{{GROUP_SEL}}}", "stall {{policy}} {{model}}/{{ep_group}}",
+               "A"),
+         query(f"moewatch_rebalance_ledger_gain_per_step_seconds{{{GROUP_SEL}}}",
+               "gain/step {{policy}} {{model}}/{{ep_group}}", "B")], width=8).draw_style(common.GraphDrawStyle.POINTS)
+    even = series_panel(
+        "Break-even against the horizon", "Steps the new map must serve to pay back its stall (absent: it gained "
+        "nothing) against the steps it had until the next rebalance: a break-even above the horizon did not pay.",
+        "short",
+        [query(f"moewatch_rebalance_ledger_break_even_steps{{{GROUP_SEL}}}", "break-even {{policy}} {{model}}/{{ep_group}}",
+               "A"),
+         query(f"moewatch_rebalance_ledger_horizon_steps{{{GROUP_SEL}}}", "horizon {{policy}} {{model}}/{{ep_group}}",
+               "B")], width=12).draw_style(common.GraphDrawStyle.POINTS)
+    measured = series_panel(
+        "Measured balancedness and step time around it", "Balancedness measured on the windows before and after "
+        "the latest rebalance, and seconds per step before, during the move and after.", "s",
+        [query(f"moewatch_rebalance_ledger_step_seconds{{{GROUP_SEL}}}", "step {{phase}} {{policy}}", "A"),
+         query(f"moewatch_rebalance_ledger_balancedness_ratio{{{GROUP_SEL}}}", "balancedness {{phase}} {{policy}}",
+               "B")], width=12).draw_style(common.GraphDrawStyle.POINTS)
+    return [outcomes, net, stall_gain, even, measured]
 
 
 def shard_panels() -> list[Any]:
