@@ -99,7 +99,7 @@ def test_one_rebalance_is_priced_by_hand_gain_stall_net_and_net_per_hour():
     migration = MigrationCost(100.0, "operator", 1e4, "operator")
     maps = maps_over_time(initial, [0], moved, 3)
     off = busiest_pairs_per_step(rec.loads, np.stack([initial] * 3), rec.steps, 2)
-    f = run_figures(rec, geometry, maps, [0], moved, None, cost, migration, off)
+    f = run_figures(rec, geometry, maps, [0], moved, cost, migration, off)
     assert f["rebalances"] == 1 and f["slots_moved"] == 2 and f["bytes_moved"] == 200.0
     assert f["stall_seconds"] == pytest.approx(2 * 100.0 / 1e4)
     assert f["gain_seconds"] == pytest.approx(0.01 * (2 * (4 - 2) + 2 * (4 - 2)))
@@ -110,6 +110,31 @@ def test_one_rebalance_is_priced_by_hand_gain_stall_net_and_net_per_hour():
     assert f["balancedness"] == pytest.approx((0.5 + 1.0 + 1.0) / 3)
     move = f["moves"][0]
     assert (move["after_window"], move["balancedness_before"], move["balancedness_after"]) == (0, 0.5, 1.0)
+
+
+def test_static_is_measured_out_of_sample_each_half_under_the_placement_solved_from_the_other_half():
+    """The first two windows' load differs from the last two's: the placement solved from one half is measured
+    on the other (which differs from measuring the all-windows placement); the one move priced is the
+    all-windows placement's, from the start."""
+    from moewatch.planner.placement_math import contiguous_placement, placement_balancedness
+    from moewatch.replay.replay import replay, static_map
+
+    hot_early = np.array([[25.0, 19, 15, 8, 9, 2, 3, 1]])
+    hot_late = np.array([[6.0, 24, 19, 27, 15, 18, 29, 22]])
+    rec = Recording(np.stack([hot_early, hot_early, hot_late, hot_late]), np.full(4, 2), np.full(4, 0.1))
+    geometry = Geometry(8, 2, 1, 1, contiguous_placement(1, 8, 8))
+    cost = StepCost(0.01, 0.0, None, "operator", "", 0, None)
+    migration = MigrationCost(100.0, "operator", 1e6, "operator")
+    got = replay(rec, geometry, ("off", "static"), (Interval(1, "windows"),), cost, migration,
+                 run_engine=lambda *args: pytest.fail("no engine policy was asked for"))
+    f = got["policies"]["static"]["-"]
+    from_late, from_early = static_map(rec.loads[2:], geometry), static_map(rec.loads[:2], geometry)
+    expected = [placement_balancedness(rec.loads[t], from_late if t < 2 else from_early, 2).mean() for t in range(4)]
+    assert f["balancedness_per_window"] == pytest.approx(expected)
+    in_sample = [placement_balancedness(rec.loads[t], got["static_map"], 2).mean() for t in range(4)]
+    assert abs(sum(in_sample) - sum(expected)) > 0.05  # the two measures tell apart here
+    assert f["slots_moved"] == int((got["static_map"] != geometry.initial).sum()) == len(f["moves"]) * f["slots_moved"]
+    assert f["net_seconds"] == pytest.approx(f["gain_seconds"] - f["slots_moved"] * 100.0 / 1e6)
 
 
 def test_the_migration_cost_is_the_operators_else_measured_in_the_windows_else_assumed_and_said_so():

@@ -110,7 +110,8 @@ def recommend(result: dict[str, Any], engine: str, context: dict[str, Any],
         return Recommendation("off", OFF, "-", None, 0.0, why, engine, off_settings(engine))
     if best.policy == STATIC:
         why = (f"a static placement from these windows nets {best.net_seconds_per_hour:.3g} s per hour, more than any "
-               "rebalancing interval (solved from the windows it is measured on: in-sample)")
+               "rebalancing interval (measured out of sample: each half of the windows under the placement solved from "
+               "the other half)")
         return Recommendation("static", STATIC, "-", None, best.net_seconds_per_hour, why, engine,
                               static_settings(engine, context))
     why = (f"{best.policy} every {best.interval_steps} steps nets {best.net_seconds_per_hour:.3g} s per hour "

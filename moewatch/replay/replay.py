@@ -2,10 +2,10 @@
 
 Policies:
 - "off": the initial map kept (the engine's EPLB off);
-- "static": one placement solved from all windows' load (what `moewatch plan --load` writes), in force
-  from the first window on after one move, kept (vLLM: MOEWATCH_EPLB_PLACEMENT; SGLang:
-  --init-expert-location). Solved from the same windows it is measured on: in-sample, an optimistic
-  figure for traffic that drifts;
+- "static": one placement solved from the windows' load (what `moewatch plan --load` writes), kept
+  (vLLM: MOEWATCH_EPLB_PLACEMENT; SGLang: --init-expert-location). The operator serves it on traffic
+  recorded before, so it is measured out of sample: each half of the windows under the placement
+  solved from the other half (two-fold); its one move is the all-windows placement's, from the start;
 - "vllm_default", "sglang_deepseek": the engines' own functions, in their environments
   (engine_policies.py), at each interval;
 - "moewatch": moewatch's policy (planner/rebalance.py, what the engines' adapters call), gated with the
@@ -59,20 +59,15 @@ class Recording:
 
 
 def run_figures(rec: Recording, geometry: Geometry, maps: np.ndarray, points: list[int], moved_maps: np.ndarray,
-                before_first: np.ndarray | None, step_cost: StepCost, migration: MigrationCost,
-                off_busiest: np.ndarray) -> dict[str, Any]:
+                step_cost: StepCost, migration: MigrationCost, off_busiest: np.ndarray) -> dict[str, Any]:
     """One (policy, interval)'s figures. maps [T, L, P] in force per window; points: windows after
-    which it rebalanced; moved_maps [R, L, P] the map each rebalance returned; before_first: for
-    "static", the map it moved from before window 0 (None otherwise); off_busiest [T] the busiest
-    GPU's pairs per step under "off"."""
+    which it rebalanced; moved_maps [R, L, P] the map each rebalance returned; off_busiest [T] the
+    busiest GPU's pairs per step under "off"."""
     T = len(rec.steps)
     weights = rec.steps.astype(np.float64)
     balance = np.array([placement_balancedness(rec.loads[t], maps[t], geometry.ranks).mean() for t in range(T)])
     busiest = busiest_pairs_per_step(rec.loads, maps, rec.steps, geometry.ranks)
     moves = []
-    if before_first is not None:
-        moved = int((maps[0] != before_first).sum())
-        moves.append(_move(-1, moved, migration, None, None))
     for r, t in enumerate(points):
         end = points[r + 1] if r + 1 < len(points) else T - 1
         following = range(t + 1, end + 1)
@@ -163,15 +158,29 @@ def replay(rec: Recording, geometry: Geometry, policies: tuple[str, ...], interv
     out: dict[str, Any] = {"policies": {}, "intervals": []}
     none = np.zeros((0, *initial.shape), dtype=np.int64)
     if OFF in policies:
-        out["policies"][OFF] = {"-": run_figures(rec, geometry, off_maps, [], none, None, step_cost, migration,
+        out["policies"][OFF] = {"-": run_figures(rec, geometry, off_maps, [], none, step_cost, migration,
                                                  off_busiest)}
     if STATIC in policies:
-        progress("solving the static placement from all windows")
+        progress("solving the static placement from all windows, and from each half for the other")
         placed = static_map(rec.loads, geometry)
         out["static_map"] = placed
-        maps = np.broadcast_to(placed, (T, *initial.shape))
-        out["policies"][STATIC] = {"-": run_figures(rec, geometry, maps, [], none, initial, step_cost, migration,
-                                                    off_busiest)}
+        half = T // 2
+        maps = np.empty((T, *initial.shape), dtype=np.int64)
+        if half:
+            maps[:half] = static_map(rec.loads[half:], geometry)
+            maps[half:] = static_map(rec.loads[:half], geometry)
+        else:
+            maps[:] = placed
+        figures = run_figures(rec, geometry, maps, [], none, step_cost, migration, off_busiest)
+        # The stall of its one move, from the start to the placement the operator serves.
+        move = _move(-1, int((placed != initial).sum()), migration, None, None)
+        figures.update(moves=[move], slots_moved=move["slots_moved"], bytes_moved=move["bytes_moved"],
+                       stall_seconds=move["stall_seconds"], out_of_sample="two-fold: each half under the other's")
+        if figures["gain_seconds"] is not None:
+            figures["net_seconds"] = figures["gain_seconds"] - move["stall_seconds"]
+            if figures["serving_seconds"]:
+                figures["net_seconds_per_hour"] = figures["net_seconds"] / figures["serving_seconds"] * 3600.0
+        out["policies"][STATIC] = {"-": figures}
     schedule = []
     for i, interval in enumerate(intervals):
         points = rebalance_points(rec.steps, interval)
@@ -194,7 +203,7 @@ def replay(rec: Recording, geometry: Geometry, policies: tuple[str, ...], interv
         figures = {}
         for key, interval, points, _, _ in schedule:
             maps, seconds, records = answers[key]
-            f = run_figures(rec, geometry, maps_over_time(initial, points, maps, T), points, maps, None, step_cost,
+            f = run_figures(rec, geometry, maps_over_time(initial, points, maps, T), points, maps, step_cost,
                             migration, off_busiest)
             f["solve_seconds"] = seconds
             if records is not None:
