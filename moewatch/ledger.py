@@ -173,32 +173,32 @@ class Rebalance:
 
 
 def rebalances_of(records: Iterable[Any], window_seq: int, window_time: float) -> list[Rebalance]:
-    """The rebalances an engine window's records (extra.engine_rebalance) describe, one per policy:
-    records of one window cannot be told apart by the windows, so several calls of one policy in one
-    window are one entry (their layers joined, slots and bytes added). A malformed record, or a call
-    that moved no slot, makes none."""
-    by_policy: dict[str, Rebalance] = {}
+    """The rebalance an engine window's records (extra.engine_rebalance) describe: none, or one. The
+    windows cannot tell apart several calls in one window, so they are one entry: the policy of the
+    last call (whose map the window ends with), their layers joined, slots and bytes added (unknown
+    when a call does not say, e.g. a fallback to the engine's own algorithm). A malformed record, or
+    a call that moved no slot, counts for nothing."""
+    found: Rebalance | None = None
     for record in records:
         if not isinstance(record, dict) or not isinstance(record.get("engine"), str):
             continue
         layers, slots, nbytes = _moved(record)
         if slots == 0:
             continue
-        policy = policy_label(record)
         when = _number(record.get("time"))
-        detail = {k: record[k] for k in ("call", "digest", "balancedness_before", "balancedness_after",
-                                         "predicted_stall_seconds", "error") if k in record}
-        found = by_policy.get(policy)
+        recorded = {k: record[k] for k in ("call", "digest", "balancedness_before", "balancedness_after",
+                                           "predicted_stall_seconds", "error") if k in record}
         if found is None:
-            by_policy[policy] = Rebalance(policy, record["engine"], window_time if when is None else when, layers,
-                                          slots, nbytes, window_seq=window_seq,
-                                          detail={"calls": 1, "recorded": detail})
+            found = Rebalance(policy_label(record), record["engine"], window_time if when is None else when, layers,
+                              slots, nbytes, window_seq=window_seq, detail={"calls": 1, "recorded": recorded})
             continue
+        found.policy = policy_label(record)
         found.layers_changed = _join(found.layers_changed, layers)
         found.slots_moved = None if found.slots_moved is None or slots is None else found.slots_moved + slots
         found.bytes_moved = None if found.bytes_moved is None or nbytes is None else found.bytes_moved + nbytes
         found.detail["calls"] += 1
-    return list(by_policy.values())
+        found.detail["recorded"] = recorded
+    return [] if found is None else [found]
 
 
 def _moved(record: dict[str, Any]) -> tuple[tuple[int, ...] | None, int | None, float | None]:

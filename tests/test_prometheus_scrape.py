@@ -53,7 +53,13 @@ ENGINE_REBALANCE_QUERIES = [f"moewatch / overview / {title} / {ref}"
                             for title, refs in (("Engine rebalance calls", "A"), ("Layers per rebalance by outcome", "A"),
                                                 ("Slots moved", "A"), ("Predicted balancedness of the latest rebalance", "A"),
                                                 ("Predicted stall and call time", "AB"), ("Checked on the next window", "AB"),
-                                                ("Steps since the last rebalance", "AB"))
+                                                ("Steps since the last rebalance", "AB"),
+                                                # The rebalance ledger row: the engine group's rebalance, settled.
+                                                ("Rebalances by policy and outcome", "A"),
+                                                ("Net seconds of the latest rebalance", "A"),
+                                                ("Stall and gain per step", "AB"),
+                                                ("Break-even against the horizon", "AB"),
+                                                ("Measured balancedness and step time around it", "AB"))
                             for ref in refs]
 
 pytestmark = pytest.mark.slow
@@ -120,8 +126,16 @@ def send_engine_rebalances(sock: Path) -> None:
                "balancedness_after": 0.99, "predicted_gain_seconds": 3.0, "predicted_stall_seconds": 0.02,
                "solve_seconds": 0.01}
     fallback = {"engine": "vllm", "fallback": True, "error": "RuntimeError: injected"}
-    for i, (load, records) in enumerate([(even, None), (even, [decided, fallback]), (skewed, None)]):
+    # Three windows after the rebalance (the agent's verify.windows): the rebalance ledger settles it.
+    for i, (load, records) in enumerate([(even, None), (even, [decided, fallback]), (skewed, None), (skewed, None),
+                                         (skewed, None)]):
         w = helpers.make_window(load, pmap, W, start_time=1000.0 + 10 * i, model=MODEL, ep_group=ENGINE_GROUP)
+        if records:  # the rebalance's window: its last step stalled
+            w = w.replace(step_seconds=w.step_seconds + np.eye(len(w.step_seconds))[-1] * 0.5)
+        elif i > 1:  # and the steps after it faster: a gain and a break-even to show
+            w = w.replace(step_seconds=np.full(w.steps, 0.5 * float(np.mean(first_steps))))
+        if i == 0:
+            first_steps = w.step_seconds
         # The engine's rebalancing settings, as the adapter sends them with every window (the watchdog row).
         extra = {**w.extra, "rebalancing": {"interval_steps": 100, "asynchronous": True, "observed": True,
                                             "source": "vllm eplb_config"}}

@@ -143,3 +143,17 @@ def test_the_arithmetic():
     assert break_even_steps(0.5, 0.0) is None and break_even_steps(0.5, -1.0) is None
     with pytest.raises(ValueError, match="windows"):
         Ledger(windows=0)
+
+
+def test_calls_in_one_window_are_one_rebalance_of_the_last_calls_policy():
+    ledger = Ledger(windows=1)
+    fallback = {"engine": "vllm", "fallback": True, "error": "RuntimeError: injected"}
+    decided = {"engine": "vllm", "layer_outcomes": {"moved": 1}, "experts_moved": 4, "layers_by_reason": {"moved": [0]}}
+    [both] = feed(ledger, [{"steps": steps_of(0.01)}, {"steps": steps_of(0.01), "records": [decided, fallback]},
+                           {"steps": steps_of(0.01)}])
+    assert both["policy"] == "engine_own" and both["calls"] == 2
+    assert both["layers_changed"] is None and both["slots_moved"] is None  # the fallback's moves are not recorded
+    ledger = Ledger(windows=1)
+    [two] = feed(ledger, [{"steps": steps_of(0.01)}, {"steps": steps_of(0.01), "records": [
+        vllm_record([0], 2), vllm_record([2], 3)]}, {"steps": steps_of(0.01)}])
+    assert (two["layers_changed"], two["slots_moved"], two["bytes_moved"]) == ([0, 2], 5, 5000.0)
