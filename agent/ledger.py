@@ -17,7 +17,7 @@ from moewatch.ledger import AppliedPlan, Ledger, add_window_of
 from moewatch.telemetry import Window
 
 from .audit import AuditLog
-from .metrics.ledger import record_entry
+from .metrics.ledger import init_group, record_entry
 from .metrics.state import MetricsState
 
 log = logging.getLogger("moewatch.agent.ledger")
@@ -88,6 +88,7 @@ class RebalanceLedgers:
         ledger = self._ledgers.get(group)
         if ledger is None:
             ledger = self._ledgers[group] = Ledger(self.windows)
+            init_group(self.metrics, group)
         return ledger
 
     def _settled(self, group: tuple[str, str], entries: list[dict[str, Any]]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from moewatch.ledger import OUTCOMES, bounded_policy
+from moewatch.ledger import OUTCOMES, POLICIES, bounded_policy
 
 from .family import GROUP, Counter, Gauge, families_of
 
@@ -84,3 +84,8 @@ def record_entry(state: MetricsState, group: tuple[str, str], entry: dict[str, A
             else:
                 state[family].set((*labels, phase), float(value))
 
+
+def init_group(state: MetricsState, group: tuple[str, str]) -> None:
+    """The entries counters start at 0 with the group, so an alert's increase() sees its first rebalance
+    (MoewatchRebalancesNotPaying)."""
+    state[ENTRIES_TOTAL].inc_many([((*group, policy, outcome), 0) for policy in POLICIES for outcome in OUTCOMES])

@@ -76,3 +76,12 @@ def test_a_controller_entry_of_a_plan_in_force_is_the_agents_plan_in_the_ledger(
     assert applied_plan({**entry, "event": "rolled_back", "rollback_of": 2}).rollback_of == 2
     assert applied_plan({**entry, "event": "verified"}) is None
     assert applied_plan({k: v for k, v in entry.items() if k != "sent_at"}) is None
+
+
+def test_the_entries_counters_start_at_zero_with_the_group(helpers, start_agent):
+    daemon = start_agent()
+    w = windows(helpers, stall=0.0)[0]
+    assert daemon.ingest_window(w) is None
+    assert helpers.wait_for(lambda: helpers.sample_value(helpers.scrape(daemon.http_url),
+                                                         "moewatch_rebalance_ledger_entries_total",
+                                                         policy="agent_plan", outcome="did_not_pay") == 0)
