@@ -37,6 +37,18 @@ def test_the_fit_recovers_fixed_per_busiest_pair_and_per_token_seconds_when_they
     assert cost.r2 == pytest.approx(1.0)
 
 
+def test_windows_slowed_by_something_else_do_not_move_the_fit():
+    """Two windows of ten slowed by 0.2 s (another process on the host): a least-squares fit would take a
+    slope from them; the median regression keeps the line the other eight lie on."""
+    busiest = np.array([100.0, 900.0, 200.0, 800.0, 300.0, 700.0, 400.0, 600.0, 500.0, 150.0])
+    seconds = 0.004 + 2e-5 * busiest
+    seconds[[2, 4]] += 0.2  # two small windows slowed
+    cost = fit_step_cost(busiest, busiest / 8, seconds)
+    assert cost.seconds_per_busiest_pair == pytest.approx(2e-5, rel=1e-6)
+    assert cost.fixed_seconds == pytest.approx(0.004, rel=1e-6)
+    assert cost.median_abs_residual_seconds == pytest.approx(0.0, abs=1e-9)
+
+
 def test_tokens_that_move_with_the_busiest_gpu_are_absorbed_and_the_fit_says_its_gain_is_an_upper_bound():
     busiest = np.array([100.0, 300.0, 200.0, 400.0])
     seconds = 0.01 + 2e-5 * busiest + 1e-4 * (busiest / 4)  # one rank: tokens are pairs / top-k

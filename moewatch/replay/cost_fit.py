@@ -5,8 +5,10 @@ Gain: every collective waits for the busiest GPU, so a step's time is modelled a
     step_seconds = fixed + seconds_per_busiest_pair x B (+ seconds_per_token x tokens per step)
 
 where B is the busiest GPU's pairs per step summed over layers (the window's load spread evenly over
-each expert's replicas under the map in force), fitted by non-negative least squares over the
-windows that carry step times (one sample per window: its mean step). The per-token term is fitted
+each expert's replicas under the map in force), fitted over the windows that carry step times (one
+sample per window: its mean step) by least absolute deviations with every parameter >= 0 (a median
+regression: windows slowed by something else, another process on the host, a rebalance's stall, a
+pause, move it less than they would a least-squares fit). The per-token term is fitted
 only when tokens per step and B vary apart; when they move together (one rank, where B is all pairs,
 or a load that never changes balance) it cannot be told apart, and the per-pair cost then holds the
 step's other per-token work too: an upper bound on what balance buys, said in `note`. A rebalance
@@ -45,8 +47,9 @@ class StepCost:
     source: str  # "fitted", "operator" or "unknown"
     model: str  # the model in words
     samples: int
-    r2: float | None
+    r2: float | None  # of the fit's predictions; outlier windows count fully (it can be negative)
     note: str = ""
+    median_abs_residual_seconds: float | None = None
 
     @property
     def known(self) -> bool:
@@ -66,8 +69,6 @@ def busiest_pairs_per_step(loads: np.ndarray, maps: np.ndarray, steps: np.ndarra
 def fit_step_cost(busiest: np.ndarray, tokens: np.ndarray, step_seconds: np.ndarray) -> StepCost:
     """[T] busiest GPU pairs per step, [T] tokens per step (NaN: unknown), [T] mean step seconds (NaN:
     unknown) -> the fitted StepCost (source "unknown" with the reason in `note` when it cannot be fitted)."""
-    from scipy.optimize import nnls  # imported here: scipy.optimize is slow to import
-
     use = np.isfinite(step_seconds) & np.isfinite(busiest)
     n = int(use.sum())
     if n < MIN_FIT_WINDOWS:
@@ -80,18 +81,35 @@ def fit_step_cost(busiest: np.ndarray, tokens: np.ndarray, step_seconds: np.ndar
     t = tokens[use]
     with_tokens = bool(np.isfinite(t).all() and t.std() > 0 and abs(np.corrcoef(x, t)[0, 1]) < COLLINEAR)
     columns = [x, t, np.ones(n)] if with_tokens else [x, np.ones(n)]
-    coef, _ = nnls(np.column_stack(columns), y)
+    coef = least_absolute_deviations(np.column_stack(columns), y)
     pred = np.column_stack(columns) @ coef
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else None
+    residual = float(np.median(np.abs(y - pred)))
     if with_tokens:
         return StepCost(float(coef[0]), float(coef[2]), float(coef[1]), "fitted",
-                        "step_seconds = fixed + a x busiest GPU pairs per step + c x tokens per step", n, r2)
+                        "step_seconds = fixed + a x busiest GPU pairs per step + c x tokens per step", n, r2, "",
+                        residual)
     return StepCost(float(coef[0]), float(coef[1]), None, "fitted",
                     "step_seconds = fixed + a x busiest GPU pairs per step", n, r2,
                     "tokens per step move with the busiest GPU's pairs in these windows (one rank, or an unchanging "
                     "balance): the per-pair cost holds the step's other per-token work too, so the gain is an upper "
-                    "bound")
+                    "bound", residual)
+
+
+def least_absolute_deviations(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """[n, k] features, [n] targets -> [k] coefficients >= 0 minimising sum |y - x @ coef|, as a linear
+    program: coef and the residual's positive and negative parts u, v >= 0 with x @ coef + u - v = y."""
+    from scipy.optimize import linprog  # imported here: scipy.optimize is slow to import
+
+    n, k = x.shape
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-300)  # columns of one magnitude for the solver
+    cost = np.concatenate([np.zeros(k), np.ones(2 * n)])
+    equality = np.hstack([x / scale, np.eye(n), -np.eye(n)])
+    solved = linprog(cost, A_eq=equality, b_eq=y, bounds=(0, None), method="highs")
+    if not solved.success:
+        raise ValueError(f"step cost fit: {solved.message}")
+    return solved.x[:k] / scale
 
 
 def operator_step_cost(seconds_per_pair: float) -> StepCost:

@@ -35,8 +35,9 @@ def render_text(result: dict[str, Any]) -> str:
         fitted = (f"a = {_g(cost['seconds_per_busiest_pair'])} s per busiest-GPU pair"
                   + (f", c = {_g(cost['seconds_per_token'])} s per token" if cost["seconds_per_token"] is not None else "")
                   + (f", fixed = {_g(cost['fixed_seconds'])} s" if cost["fixed_seconds"] is not None else ""))
-        lines.append(f"step cost ({cost['source']}, {cost['samples']} windows, R^2 {_g(cost['r2'])}): {cost['model']}; "
-                     f"{fitted}")
+        fit = (f"{cost['samples']} windows, median |residual| {_g(cost['median_abs_residual_seconds'])} s, "
+               f"R^2 {_g(cost['r2'])}" if cost["source"] == "fitted" else "given")
+        lines.append(f"step cost ({cost['source']}: {fit}): {cost['model']}; {fitted}")
         if cost["note"]:
             lines.append(f"  note: {cost['note']}")
     lines.append(f"stall: {_g(mig['expert_bytes'])} bytes per slot moved ({mig['expert_bytes_source']}), "
@@ -65,8 +66,15 @@ def render_text(result: dict[str, Any]) -> str:
             lines.append(f"  environment: {s['env']}")
         if s.get("note"):
             lines.append(f"  {s['note']}")
-        if result["migration"]["assumed"] and rec_["choice"] != "off":
-            lines.append("  (the stall is priced with an assumed figure above: give --expert-bytes / --migration-rate)")
+        assumed = [flag for flag, source in (("--expert-bytes", mig["expert_bytes_source"]),
+                                             ("--migration-rate", mig["rate_source"])) if source.startswith("assumed")]
+        if assumed and rec_["choice"] != "off":
+            lines.append(f"  (the stall is priced with an assumed figure above: give {' and '.join(assumed)})")
+    m = result.get("machine")
+    if m:
+        others = "unknown" if m["other_cpu_cores"] is None else f"{m['other_cpu_cores']:.2f} cores"
+        lines.append(f"run: {m['wall_seconds']:.0f} s on {m['cores_usable']} cores, other processes' CPU {others} "
+                     f"({'busy' if m['busy'] else 'quiet'}); inputs sha256 {result['inputs']['digest'][:16]}")
     return "\n".join(lines) + "\n"
 
 
