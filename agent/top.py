@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from moewatch.ledger import POLICY_TEXT
 from moewatch.vocabulary import TERMINAL_COLOURS
 
 
@@ -126,7 +127,8 @@ def format_ledger(status: dict[str, Any] | None, colour: bool) -> str:
     if colour and last.get("outcome") == "did_not_pay":
         outcome = click.style(outcome, fg="red")
     net = last.get("net_seconds")
-    return (f"ledger: last rebalance {_clock(last.get('rebalanced_at'))} by {last.get('policy', '?')}: {outcome}, net "
+    whose = POLICY_TEXT.get(last.get("policy"), str(last.get("policy"))).format(engine=last.get("engine") or "the engine")
+    return (f"ledger: last rebalance {_clock(last.get('rebalanced_at'))} by {whose}: {outcome}, net "
             f"{'?' if net is None else format(net, '+.3f')} s over {_num(last.get('horizon_steps'), '.0f')} steps "
             f"(stall {_num(last.get('stall_seconds'), '.3f')} s, gain "
             f"{_num(None if last.get('gain_seconds_per_step') is None else last['gain_seconds_per_step'] * 1e3, '.3f')}"

@@ -44,8 +44,6 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .planner.rebalance import CHANGED
-
 DEFAULT_WINDOWS = 3  # windows before and after a rebalance (the agent uses verify.windows)
 KEEP_POINTS = 512  # windows a Ledger holds for entries still open
 
@@ -210,6 +208,8 @@ def _moved(record: dict[str, Any]) -> tuple[tuple[int, ...] | None, int | None, 
         layers = tuple(int(x) for x in layers if _index(x)) if isinstance(layers, list) else None
         slots = _number(record.get("slots_moved"))
         return layers, None if slots is None else int(slots), _number(record.get("bytes_moved"))
+    from .planner.rebalance import CHANGED  # the planner's reasons for a layer whose row changed
+
     reasons = record.get("layers_by_reason")
     layers = None
     if isinstance(reasons, dict):

@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from .cli_contract import OneLineCommand, fail_input
+from .commands import load_window
 from .ledger import DEFAULT_WINDOWS, Ledger, add_window_of, format_entry
 from .shards import merge_sequence
 from .telemetry import Window, WindowError
@@ -66,20 +67,6 @@ def window_files(path: Path) -> list[Path]:
             fail_input(f"{path}: no window files (*.json) in this folder")
         return files
     return [path]
-
-
-def read_window(path: Path) -> Window:
-    try:
-        blob = path.read_bytes()
-    except OSError as exc:
-        fail_input(f"{path}: cannot read ({exc.strerror})")
-    try:
-        return Window.from_bytes(blob) if blob[:4] == b"MWW1" else Window.from_json(blob)
-    except WindowError as exc:
-        fail_input(f"{path}: invalid window: {exc}")
-    except (ValueError, UnicodeDecodeError) as exc:
-        fail_input(f"{path}: not a window file ({exc})")
-    raise AssertionError("unreachable")
 
 
 def whole_windows(windows: list[tuple[Path, Window]]) -> list[Window]:
@@ -131,7 +118,7 @@ def ledger(sources: tuple[str, ...], as_json: bool, per_window: int) -> None:
         if path.is_file() and is_audit_log(path):
             entries += audit_entries(path)
             continue
-        windows += [(f, read_window(f)) for f in window_files(path)]
+        windows += [(f, load_window(str(f))) for f in window_files(path)]
     entries += ledger_of_windows(whole_windows(windows), per_window)
     if as_json:
         click.echo(json.dumps(entries, allow_nan=False))

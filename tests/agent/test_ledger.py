@@ -63,7 +63,7 @@ def test_an_engine_rebalance_is_settled_audited_exported_and_shown(helpers, star
     [group] = status["groups"]
     assert group["ledger"]["entries"] == 1 and group["ledger"]["last"]["outcome"] == "paid"
     shown = render(status, colour=False)
-    assert "ledger: last rebalance" in shown and "by engine_own: paid, net +1.750 s over 1000 steps" in shown
+    assert "ledger: last rebalance" in shown and "by vllm's own policy: paid, net +1.750 s over 1000 steps" in shown
 
 
 def test_a_controller_entry_of_a_plan_in_force_is_the_agents_plan_in_the_ledger():
