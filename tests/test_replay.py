@@ -309,6 +309,45 @@ def test_too_few_windows_or_rebalances_give_one_line_and_exit_3(tmp_path):
                                                    "recommendation: the shortest interval (3w) rebalances 1 time(s)")
 
 
+def write_sglang_stat_dumps(folder: Path, count: int) -> Path:
+    """SGLang's stat dumps as its recorder writes them (expert_distribution_recorder_{time}.pt, torch.save of
+    {rank, logical_count int32 [B, L, E], average_utilization_rate_over_window}), one every 60 s, expert 4 hot."""
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(2)
+    popularity = np.array([1.0, 1, 1, 1, 8, 1, 1, 1]) / 15
+    for i in range(count):
+        counts = np.stack([[rng.multinomial(64, popularity) for _ in range(2)] for _ in range(5)])  # [B=5, L=2, E=8]
+        torch.save({"rank": 0, "logical_count": torch.from_numpy(counts.astype(np.int32)),
+                    "average_utilization_rate_over_window": None},
+                   folder / f"expert_distribution_recorder_{1_800_000_000 + 60 * i}.pt")
+    return folder
+
+
+def test_sglang_dumps_replay_in_time_order_and_without_a_step_clock_need_the_operators_step_figures(tmp_path):
+    dumps = write_sglang_stat_dumps(tmp_path / "dumps", 6)
+    common = [str(dumps), "--engine", "sglang", "--ranks", "2", "--slots", "10", "--policies", "static,moewatch",
+              "--intervals", "1w", "--migration-rate", "1e12", "--expert-bytes", "1"]
+    unpriced = replay(*common, "--json")
+    assert unpriced.returncode == 3
+    assert unpriced.stderr.splitlines()[-1].endswith("the gain cannot be priced: the windows carry too few step "
+                                                     "times to fit (give --seconds-per-pair)")
+    result = json.loads(unpriced.stdout)
+    assert (result["inputs"]["windows"], result["inputs"]["steps"], result["inputs"]["runtime"]) == (6, 30, "sglang")
+    assert len(result["inputs"]["files"]) == 6
+    priced = replay(*common, "--seconds-per-pair", "1e-5", "--step-seconds", "0.05", "--json", "--out",
+                    str(tmp_path / "out"))
+    assert priced.returncode == 0, priced.stderr
+    advice = json.loads(priced.stdout)["recommendation"]
+    assert advice["engine"] == "sglang" and advice["policy"] in ("static", "moewatch")
+    if advice["policy"] == "static":
+        assert advice["settings"]["args"] == "--init-expert-location expert_location.json --ep-num-redundant-experts 2"
+        assert (tmp_path / "out" / "expert_location.json").is_file()
+    else:
+        assert advice["settings"]["args"].startswith("--enable-eplb --eplb-algorithm deepseek")
+
+
 @pytest.mark.parametrize("args, message", [
     (["{missing}"], "no such file or folder"),
     (["{w}", "--intervals", "0"], "--intervals: '0' is not a positive whole number"),

@@ -71,13 +71,18 @@ def parse_policies(text: str | None, engine: str) -> tuple[str, ...]:
 @click.option("--ranks", type=click.IntRange(min=1), default=None, help="EP ranks W [default: the windows'].")
 @click.option("--slots", type=click.IntRange(min=1), default=None,
               help="Physical slots P (experts + redundant) [default: the windows'].")
-@click.option("--nodes", type=click.IntRange(min=1), default=None, help="Nodes the ranks sit in [default: the windows'].")
+@click.option("--nodes", type=click.IntRange(min=1), default=None,
+              help="Nodes the ranks sit in [default: the windows'].")
 @click.option("--groups", type=click.IntRange(min=1), default=1, show_default=True,
               help="Expert groups (DeepSeek-V3's n_group), passed to the engines' policies.")
 @click.option("--seconds-per-pair", type=click.FloatRange(min=0.0, min_open=True), default=None,
               help="Seconds a step saves per busiest-GPU pair it loses, instead of the fit to the windows.")
+@click.option("--step-seconds", type=click.FloatRange(min=0.0, min_open=True), default=None,
+              help="Mean seconds of a step, for windows without a step clock (SGLang's dumps): the serving time "
+                   "net seconds are counted per hour of (never used in the fit).")
 @click.option("--expert-bytes", type=click.FloatRange(min=0.0, min_open=True), default=None,
-              help="Bytes of one expert's weights [default: measured from the windows' rebalance records, else assumed].")
+              help="Bytes of one expert's weights [default: measured from the windows' rebalance records, else "
+                   "assumed].")
 @click.option("--migration-rate", type=click.FloatRange(min=0.0, min_open=True), default=None,
               help="Bytes per second expert weights move at [default: measured in the windows, else assumed].")
 @click.option("--min-gain", type=click.FloatRange(0.0, 1.0), default=DEFAULT_MIN_GAIN, show_default=True,
@@ -91,8 +96,8 @@ def parse_policies(text: str | None, engine: str) -> tuple[str, ...]:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON only.")
 @click.pass_context
 def replay_command(ctx: click.Context, windows, engine, policies, intervals, ranks, slots, nodes, groups,
-                   seconds_per_pair, expert_bytes, migration_rate, min_gain, vllm_python, sglang_python, out_dir,
-                   as_json) -> None:
+                   seconds_per_pair, step_seconds, expert_bytes, migration_rate, min_gain, vllm_python, sglang_python,
+                   out_dir, as_json) -> None:
     """Replay recorded windows through the engines' own rebalancing and moewatch's, at several intervals, and
     recommend EPLB on or off, a policy and an interval, or a static placement."""
     before = sample()
@@ -113,7 +118,8 @@ def replay_command(ctx: click.Context, windows, engine, policies, intervals, ran
         N = max(1, trace.world_size // max(trace.ranks_per_node, 1)) if ranks is None else 1
     check_sizes(trace.num_experts, P, W, N)
     recorded_map = trace.maps[0]
-    initial = recorded_map if recorded_map.shape[1] == P else contiguous_placement(trace.num_layers, trace.num_experts, P)
+    initial = (recorded_map if recorded_map.shape[1] == P
+               else contiguous_placement(trace.num_layers, trace.num_experts, P))
     geometry = Geometry(P, W, N, groups, initial.astype(np.int64))
     progress(f"{trace.num_windows} windows, {trace.total_steps} steps; replaying at {W} ranks, {P} slots")
 
@@ -129,8 +135,10 @@ def replay_command(ctx: click.Context, windows, engine, policies, intervals, ran
         progress(f"{policy}: calling {ENGINE_POLICIES[policy]}'s own function in {pythons[policy]}")
         return run_engine_policy(policy, pythons[policy], sequences, geometry.initial, sizes)
 
-    got = replay(Recording(trace.loads, trace.steps, trace.step_seconds), geometry, chosen, spans, step_cost,
-                 migration, run_engine, progress)
+    serving = trace.step_seconds if step_seconds is None else np.where(np.isfinite(trace.step_seconds),
+                                                                         trace.step_seconds, step_seconds)
+    got = replay(Recording(trace.loads, trace.steps, serving), geometry, chosen, spans, step_cost, migration,
+                 run_engine, progress)
     static_map = got.pop("static_map", None)
     serving_known = got["policies"][OFF]["-"]["serving_seconds"] is not None
     reason = insufficient(trace.num_windows, got, step_cost.known, serving_known)

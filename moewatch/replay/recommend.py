@@ -80,7 +80,7 @@ def insufficient(num_windows: int, result: dict[str, Any], step_cost_known: bool
     if not step_cost_known:
         return "the gain cannot be priced: the windows carry too few step times to fit (give --seconds-per-pair)"
     if not serving_known:
-        return "net seconds per hour cannot be given: the windows carry no step times"
+        return "net seconds per hour cannot be given: the windows carry no step times (give --step-seconds)"
     return None
 
 

@@ -28,12 +28,14 @@ def render_text(result: dict[str, Any]) -> str:
     rec = inputs["recorded"]
     lines = [f"replay of {inputs['windows']} windows ({inputs['steps']} steps, {inputs['runtime']} "
              f"{inputs['model']} {inputs['ep_group']}) at {geo['ranks']} ranks, {geo['slots']} slots, "
-             f"{geo['nodes']} node(s) [recorded at {rec['ranks']} ranks, {rec['slots']} slots]; engine {result['engine']}"]
+             f"{geo['nodes']} node(s) [recorded at {rec['ranks']} ranks, {rec['slots']} slots]; "
+             f"engine {result['engine']}"]
     if cost["source"] == "unknown":
         lines.append(f"step cost: unknown ({cost['note']})")
     else:
         fitted = (f"a = {_g(cost['seconds_per_busiest_pair'])} s per busiest-GPU pair"
-                  + (f", c = {_g(cost['seconds_per_token'])} s per token" if cost["seconds_per_token"] is not None else "")
+                  + (f", c = {_g(cost['seconds_per_token'])} s per token"
+                     if cost["seconds_per_token"] is not None else "")
                   + (f", fixed = {_g(cost['fixed_seconds'])} s" if cost["fixed_seconds"] is not None else ""))
         fit = (f"{cost['samples']} windows, median |residual| {_g(cost['median_abs_residual_seconds'])} s, "
                f"R^2 {_g(cost['r2'])}" if cost["source"] == "fitted" else "given")

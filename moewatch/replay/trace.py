@@ -98,19 +98,17 @@ def _windows_of(path: Path) -> tuple[list[Any], list[Path]]:
 
 
 def _sglang_dumps(path: Path) -> tuple[list[Any], list[Path]]:
-    from ..integrations.base import SourceError
+    """SGLang's dumps (a stat dump file, or a folder of dump sets) as windows, one per dump set; the
+    SGLang room's reader names a bad file (SourceError, an InputError)."""
     from ..integrations.sglang.dump import dump_sets, load_source, window_from_paths
 
-    try:
-        if path.is_file():
-            return [load_source(path)], [path]
-        sets = dump_sets(sorted(path.iterdir()))
-        if not sets:
-            raise FileFormatError(path, "no window files and no SGLang dumps (expert_distribution_recorder_*.pt) "
-                                        "in this folder")
-        return [window_from_paths(s) for s in sets], [p for s in sets for p in s]
-    except SourceError as exc:
-        raise TraceError(exc.field, str(exc)[len(exc.field) + 2:]) from None
+    if path.is_file():
+        return [load_source(path)], [path]
+    sets = dump_sets(sorted(path.iterdir()))
+    if not sets:
+        raise FileFormatError(path, "no window files and no SGLang dumps (expert_distribution_recorder_*.pt) in "
+                                    "this folder")
+    return [window_from_paths(s) for s in sets], [p for s in sets for p in s]
 
 
 def _merged(windows: list[Any]) -> list[Any]:
@@ -150,7 +148,8 @@ def trace_of(windows: list[Any], files: list[Path] = ()) -> Trace:
                                     f"{first.model}/{first.ep_group}: replay one EP group's windows")
         got = (w.num_layers, w.num_experts, w.num_slots, w.world_size)
         if got != shape:
-            raise TraceError(where, f"[layers, experts, slots, ranks] {list(got)}, the first window's are {list(shape)}")
+            raise TraceError(where, f"[layers, experts, slots, ranks] {list(got)}, the first window's are "
+                                    f"{list(shape)}")
         loads.append(np.asarray(w.expert_tokens, dtype=np.float64))
         n = int(w.steps)
         steps.append(n)
