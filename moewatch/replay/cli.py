@@ -27,7 +27,7 @@ from .engine_policies import ENGINE_POLICIES, PolicySizes, run_engine_policy
 from .intervals import default_intervals, parse_intervals
 from .recommend import DEFAULT_MIN_GAIN, ENGINE_OWN, PLACEMENT_FILE, insufficient, recommend
 from .replay import MOEWATCH, OFF, POLICIES, STATIC, Geometry, Recording, replay
-from .report import RESULT_SCHEMA, render_text, write_result
+from .report import RESULT_SCHEMA, jsonable, render_text, write_result
 from .svg import picture
 from .trace import read_trace
 
@@ -174,7 +174,7 @@ def replay_command(ctx: click.Context, windows, engine, policies, intervals, ran
     if out_dir is not None:
         files.update(write_result(Path(out_dir), result, picture(result)))
     if as_json:
-        click.echo(json.dumps(result, allow_nan=False, default=_plain))
+        click.echo(json.dumps(result, allow_nan=False, default=jsonable))
     else:
         click.echo(render_text(result), nl=False)
         for name, path in files.items():
@@ -195,10 +195,3 @@ def _write_placement(out_dir: Path, engine: str, pmap: np.ndarray, num_layers: i
                "sglang" if engine == "sglang" else "moewatch")
     return str(path)
 
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"not JSON: {type(value).__name__}")

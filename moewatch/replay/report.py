@@ -84,7 +84,7 @@ def write_result(out_dir: Path, result: dict[str, Any], picture: str) -> dict[st
     """Write replay.json and replay.svg into out_dir (each to a temporary name, then renamed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
-    for name, text in ((RESULT_FILE, json.dumps(result, indent=1, allow_nan=False, default=_jsonable) + "\n"),
+    for name, text in ((RESULT_FILE, json.dumps(result, indent=1, allow_nan=False, default=jsonable) + "\n"),
                        (PICTURE_FILE, picture)):
         tmp = out_dir / (name + ".tmp")
         tmp.write_text(text)
@@ -93,7 +93,8 @@ def write_result(out_dir: Path, result: dict[str, Any], picture: str) -> dict[st
     return written
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """json.dumps' default for the numpy values a result holds."""
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
