@@ -49,6 +49,28 @@ def drive(daemon, helpers, n_windows=3):
     return rt
 
 
+LEDGER_WINDOWS = 4
+
+
+def drive_ledger(daemon, helpers, rt):
+    """After drive's windows, LEDGER_WINDOWS more of its last kind into its group: an engine rebalance in
+    the first, the steps of the three after it twice as fast, so the rebalance ledger settles it and its
+    families carry samples."""
+    group = daemon.store.get(("example", "example"))
+    first = len(group.history)
+    for i in range(LEDGER_WINDOWS):
+        w = simulate(SCENARIOS["overflow"], seed=10 + i, start_time=2000.0 + 100 * i).replace(model="example")
+        w = w.replace(extra={**w.extra, "rebalancing": {"interval_steps": 3000, "asynchronous": True, "observed": True}})
+        if i == 0:
+            w = w.replace(extra={**w.extra, "engine_rebalance": [
+                {"engine": "vllm", "policy": "engine", "layers_changed": [0], "slots_moved": 2}]})
+        else:
+            w = w.replace(step_seconds=w.step_seconds * 0.5)
+        rt.send(w)
+    assert helpers.wait_for(lambda: len(group.history) == first + LEDGER_WINDOWS)
+    assert helpers.wait_for(lambda: daemon.ledgers.status(group.key) is not None)
+
+
 ENGINE_REBALANCE = {"engine": "vllm", "layer_outcomes": {"moved": 3, "kept_not_paying": 1}, "experts_moved": 9,
                     "balancedness_before": 0.6, "balancedness_proposed": 0.97, "balancedness_after": 0.95,
                     "predicted_stall_seconds": 0.2, "solve_seconds": 0.05}
@@ -103,7 +125,7 @@ def start_with_slo(start_agent, helpers, url, **sections):
 def test_live_metrics_match_the_catalogue_and_pass_promtool(start_agent, helpers, engine_metrics_url):
     daemon = start_with_slo(start_agent, helpers, engine_metrics_url,
                             exporters={"expert_metrics": True, "expert_series_cap": 20})
-    drive(daemon, helpers)
+    drive_ledger(daemon, helpers, drive(daemon, helpers))
     assert helpers.wait_for(lambda: daemon.metrics.get("moewatch_frames_rejected_total", ("malformed",)) == 1)
     text = helpers.scrape(daemon.http_url)
     assert family_names(text) == {m.name for m in METRICS}
@@ -125,7 +147,7 @@ def test_live_metrics_match_the_catalogue_and_pass_promtool(start_agent, helpers
     assert sum(float(ln.rsplit(" ", 1)[1]) for ln in verdict_lines) == 1
     assert len(verdict_lines) >= 2
     assert helpers.sample_value(text, "moewatch_agent_mode", mode="observe") == 1
-    assert helpers.sample_value(text, "moewatch_windows_total", model="example") == 3
+    assert helpers.sample_value(text, "moewatch_windows_total", model="example") == 3 + LEDGER_WINDOWS
     # The engine's SLO signals beside the MoE verdicts: TTFT p99 in (0.1, 0.5], breached (target 200 ms).
     ttft = helpers.sample_value(text, "moewatch_slo_latency_seconds", model="example", signal="ttft",
                                 percentile="p99")
@@ -174,7 +196,7 @@ def test_histogram_buckets_are_upper_inclusive():
 def test_opentelemetry_carries_the_same_quantities(start_agent, helpers, engine_metrics_url):
     reader = InMemoryMetricReader()
     daemon = start_with_slo(start_agent, helpers, engine_metrics_url, otel_readers=[reader])
-    drive(daemon, helpers, 3)
+    drive_ledger(daemon, helpers, drive(daemon, helpers, 3))
     data = reader.get_metrics_data()
     points = {}
     for rm in data.resource_metrics:
@@ -189,7 +211,8 @@ def test_opentelemetry_carries_the_same_quantities(start_agent, helpers, engine_
             if p.attributes["layer"] == "0"]
     assert otel == [prom]
     hist = points["moewatch_layer_expert_load_share"].data.data_points
-    assert sum(p.count for p in hist) == 3 * 4 * 16  # one observation per expert per layer per window
+    # one observation per expert per layer per window
+    assert sum(p.count for p in hist) == (3 + LEDGER_WINDOWS) * 4 * 16
 
 
 def test_otlp_push_when_an_endpoint_is_configured(start_agent, helpers):
