@@ -240,7 +240,8 @@ def test_a_recommendation_names_what_it_chose_and_off_says_what_came_closest():
 
 # --- the command on hand-made windows -------------------------------------------------------------
 
-def vllm_like_window(load: np.ndarray, start: float, tokens: np.ndarray, seconds: np.ndarray, ep_group: str = "ep0"):
+def vllm_like_window(load: np.ndarray, start: float, tokens: np.ndarray, seconds: np.ndarray, ep_group: str = "ep0",
+                     extra: dict | None = None):
     """A window as vLLM's plugin writes one on a CPU build: one rank, logical counts, step times."""
     L, E = load.shape
     return Window(runtime="vllm", model="m", ep_group=ep_group, world_size=1, ranks_per_node=1, num_layers=L,
@@ -248,10 +249,10 @@ def vllm_like_window(load: np.ndarray, start: float, tokens: np.ndarray, seconds
                   end_time=start + float(seconds.sum()), hidden_bytes=256,
                   physical_to_logical_map=np.broadcast_to(np.arange(E), (L, E)), expert_tokens=load.astype(np.int64),
                   dropped_tokens=np.zeros((L, E), np.int64), rerouted_tokens=np.zeros((L, E), np.int64),
-                  capacity_factor=np.zeros(L), step_seconds=seconds, step_tokens=tokens)
+                  capacity_factor=np.zeros(L), step_seconds=seconds, step_tokens=tokens, extra=extra or {})
 
 
-def write_windows(folder: Path, count: int, seed: int = 0, ep_group: str = "ep0") -> Path:
+def write_windows(folder: Path, count: int, seed: int = 0, ep_group: str = "ep0", extra: dict | None = None) -> Path:
     """`count` windows of 2 steps, experts 0 and 1 hot in every layer; the step time follows the pairs."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -265,7 +266,7 @@ def write_windows(folder: Path, count: int, seed: int = 0, ep_group: str = "ep0"
         seconds = 0.002 + 1e-4 * tokens * 2 * L
         # written out of time order: the trace orders windows by their start time
         name = f"window-{(i * 7) % count:04d}-{i}.json"
-        (folder / name).write_text(vllm_like_window(load, 1000.0 + i, tokens, seconds, ep_group).to_json())
+        (folder / name).write_text(vllm_like_window(load, 1000.0 + i, tokens, seconds, ep_group, extra).to_json())
     return folder
 
 
@@ -307,6 +308,18 @@ def test_too_few_windows_or_rebalances_give_one_line_and_exit_3(tmp_path):
     assert once.returncode == 3
     assert once.stderr.splitlines()[-1].startswith("moewatch: replay: no recommendation: too few rebalances for a "
                                                    "recommendation: the shortest interval (3w) rebalances 1 time(s)")
+
+
+def test_the_engines_configured_interval_is_replayed_too_and_one_rank_is_said_to_balance_alike(tmp_path):
+    settings = {"rebalancing": {"interval_steps": 6, "asynchronous": True, "observed": False,
+                                "source": "vllm eplb_config"}}
+    got = replay(str(write_windows(tmp_path / "w", 8, extra=settings)), "--policies", "static", "--json")
+    result = json.loads(got.stdout)
+    assert [(i["label"], i["unit"]) for i in result["intervals"]] == [("1w", "windows"), ("2w", "windows"),
+                                                                      ("6", "steps")]
+    assert result["inputs"]["engine_rebalancing"]["interval_steps"] == 6
+    assert result["notes"] and result["notes"][0].startswith("one rank")
+    assert got.returncode == 0 and result["recommendation"]["choice"] == "off"
 
 
 def write_sglang_stat_dumps(folder: Path, count: int) -> Path:

@@ -24,7 +24,7 @@ from ..machine_load import load_between, sample
 from ..planner.placement_math import check_sizes, contiguous_placement
 from .cost_fit import busiest_pairs_per_step, fit_step_cost, migration_cost, operator_step_cost
 from .engine_policies import ENGINE_POLICIES, PolicySizes, run_engine_policy
-from .intervals import default_intervals, parse_intervals
+from .intervals import Interval, default_intervals, parse_intervals
 from .recommend import DEFAULT_MIN_GAIN, ENGINE_OWN, PLACEMENT_FILE, insufficient, recommend
 from .replay import MOEWATCH, OFF, POLICIES, STATIC, Geometry, Recording, replay
 from .report import RESULT_SCHEMA, jsonable, render_text, write_result
@@ -110,6 +110,9 @@ def replay_command(ctx: click.Context, windows, engine, policies, intervals, ran
     engine = engine or (trace.runtime if trace.runtime in ENGINE_OWN else "vllm")
     chosen = parse_policies(policies, engine)
     spans = parse_intervals(intervals) if intervals else default_intervals(trace.num_windows)
+    configured = (trace.rebalancing or {}).get("interval_steps")
+    if not intervals and isinstance(configured, int) and configured > 0 and Interval(configured, "steps") not in spans:
+        spans = (*spans, Interval(configured, "steps"))  # the interval the engine ran with, when it says
     W = ranks or trace.world_size
     P = slots or trace.num_slots
     if nodes is not None:
@@ -167,6 +170,8 @@ def replay_command(ctx: click.Context, windows, engine, policies, intervals, ran
         "migration": migration.to_dict(),
         **got,
         "min_gain": min_gain,
+        "notes": (["one rank: every placement balances the same; pass --ranks (and --slots) for the EP size you "
+                   "plan"] if W == 1 else []),
         "recommendation": None if advice is None else advice.to_dict(),
         "no_recommendation": reason,
     }

@@ -54,6 +54,7 @@ def render_text(result: dict[str, Any]) -> str:
             lines.append(f"{policy:16s} {shown:>8s} {f['rebalances']:5d} {f['balancedness']:8.3f} "
                          f"{f['slots_moved']:6d} {_g(float(f['bytes_moved'])):>9s} {_g(f['stall_seconds']):>9s} "
                          f"{_g(f['gain_seconds']):>9s} {_g(f['net_seconds_per_hour']):>9s}{flag}")
+    lines += [f"note: {note}" for note in result.get("notes", [])]
     rec_ = result["recommendation"]
     if rec_ is None:
         lines.append(f"no recommendation: {result['no_recommendation']}")
