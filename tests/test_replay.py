@@ -303,6 +303,10 @@ def test_too_few_windows_or_rebalances_give_one_line_and_exit_3(tmp_path):
     assert few.returncode == 3
     assert few.stderr.splitlines()[-1] == ("moewatch: replay: no recommendation: too few windows for a "
                                            "recommendation: 3 recorded, at least 4 needed")
+    # The same windows given twice (the folder and a file in it) count once.
+    folder = write_windows(tmp_path / "twice", 3)
+    twice = replay(str(folder), str(sorted(folder.iterdir())[0]), "--ranks", "2", "--policies", "static")
+    assert twice.returncode == 3 and twice.stderr.splitlines()[-1].endswith("3 recorded, at least 4 needed")
     once = replay(str(write_windows(tmp_path / "once", 6)), "--ranks", "2", "--policies", "moewatch",
                   "--intervals", "3w")
     assert once.returncode == 3
@@ -320,6 +324,35 @@ def test_the_engines_configured_interval_is_replayed_too_and_one_rank_is_said_to
     assert result["inputs"]["engine_rebalancing"]["interval_steps"] == 6
     assert result["notes"] and result["notes"][0].startswith("one rank")
     assert got.returncode == 0 and result["recommendation"]["choice"] == "off"
+
+
+def test_shards_of_one_window_are_merged_as_the_agent_merges_them_and_a_refused_one_is_said(tmp_path):
+    """Two data-parallel shards per window (extra.shard: index, count, rank, sequence); one shard of the
+    third window has another epoch: it is left out of that window (moewatch.shards.agreement) and said."""
+    from moewatch.replay.trace import read_trace
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    rng = np.random.default_rng(4)
+    whole = []
+    for sequence in range(4):
+        parts = []
+        for rank in range(2):
+            load = rng.integers(0, 20, (2, 8))
+            w = vllm_like_window(load, 1000.0 + sequence, np.array([5, 6]), np.array([0.01, 0.01])).replace(
+                world_size=2, ranks_per_node=2,
+                extra={"shard": {"index": rank, "count": 2, "rank": rank, "sequence": sequence}})
+            if sequence == 2 and rank == 1:
+                w = w.replace(epoch=5)
+            else:
+                parts.append(load)
+            (folder / f"window-{sequence}-{rank}.json").write_text(w.to_json())
+        whole.append(sum(parts))
+    trace = read_trace([folder])
+    assert trace.num_windows == 4 and trace.refused_shards == 1
+    np.testing.assert_array_equal(trace.loads, np.stack(whole))
+    got = replay(str(folder), "--policies", "static", "--json")
+    assert "1 shard(s) disagreed" in " ".join(json.loads(got.stdout)["notes"])
 
 
 def write_sglang_stat_dumps(folder: Path, count: int) -> Path:

@@ -163,7 +163,8 @@ def replay_command(ctx: click.Context, windows, engine, policies, intervals, ran
                    "ep_group": trace.ep_group, "layers": trace.num_layers, "experts": trace.num_experts,
                    "recorded": {"ranks": trace.world_size, "slots": trace.num_slots,
                                 "ranks_per_node": trace.ranks_per_node},
-                   "engine_rebalancing": trace.rebalancing, "rebalance_records": len(trace.rebalance_records)},
+                   "engine_rebalancing": trace.rebalancing, "rebalance_records": len(trace.rebalance_records),
+                   "refused_shards": trace.refused_shards},
         "geometry": {"ranks": W, "slots": P, "nodes": N, "groups": groups,
                      "initial": "recorded" if initial is recorded_map else "contiguous"},
         "step_cost": step_cost.to_dict(),
@@ -171,7 +172,9 @@ def replay_command(ctx: click.Context, windows, engine, policies, intervals, ran
         **got,
         "min_gain": min_gain,
         "notes": (["one rank: every placement balances the same; pass --ranks (and --slots) for the EP size you "
-                   "plan"] if W == 1 else []),
+                   "plan"] if W == 1 else [])
+        + ([f"{trace.refused_shards} shard(s) disagreed with the rest of their window and were left out, as the "
+            "agent leaves them out"] if trace.refused_shards else []),
         "recommendation": None if advice is None else advice.to_dict(),
         "no_recommendation": reason,
     }

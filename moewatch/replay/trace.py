@@ -13,7 +13,7 @@ Sizes: T windows, L layers, E logical experts, P slots, W ranks.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -45,6 +45,7 @@ class Trace:
     rebalance_records: list[dict[str, Any]] = field(default_factory=list)  # extra.engine_rebalance, in order
     step_times: list[np.ndarray | None] = field(default_factory=list)  # [T] each window's step_seconds
     rebalancing: dict[str, Any] | None = None  # the engine's own settings (extra.rebalancing), the latest
+    refused_shards: int = 0  # shards left out of their window's merge (they disagreed with the others)
     files: tuple[str, ...] = ()
     digest: str = ""
 
@@ -71,22 +72,29 @@ class Trace:
 
 def read_trace(paths: Iterable[str | Path]) -> Trace:
     """Recorded windows from `paths` (folders, window files, SGLang dumps) -> Trace; TraceError or
-    FileFormatError (both InputError) naming what is wrong."""
-    windows, files = [], []
+    FileFormatError (both InputError) naming what is wrong. A file given twice (a folder and a file in
+    it) counts once."""
+    windows, files, seen = [], [], set()
     for raw in paths:
-        got, used = _windows_of(Path(raw))
-        windows += got
-        files += used
+        for window, made_of in _windows_of(Path(raw)):
+            key = frozenset(f.resolve() for f in made_of)
+            if key in seen:
+                continue
+            seen.add(key)
+            windows.append(window)
+            files += made_of
     if not windows:
         raise TraceError("WINDOWS", "no windows given")
-    return trace_of(_merged(windows), files)
+    merged, refused = _merged(windows)
+    return replace(trace_of(merged, files), refused_shards=refused)
 
 
-def _windows_of(path: Path) -> tuple[list[Any], list[Path]]:
+def _windows_of(path: Path) -> list[tuple[Any, list[Path]]]:
+    """[(window, the files it was read from)] of one argument."""
     if path.is_dir():
         files = window_files(path)
         if files:
-            return [read_window(f) for f in files], files
+            return [(read_window(f), [f]) for f in files]
         return _sglang_dumps(path)
     if not path.is_file():
         raise FileFormatError(path, "no such file or folder")
@@ -94,29 +102,31 @@ def _windows_of(path: Path) -> tuple[list[Any], list[Path]]:
         return _sglang_dumps(path)
     if not is_window_file(path):
         raise FileFormatError(path, "not a window file (JSON or binary) nor an SGLang .pt dump")
-    return [read_window(path)], [path]
+    return [(read_window(path), [path])]
 
 
-def _sglang_dumps(path: Path) -> tuple[list[Any], list[Path]]:
+def _sglang_dumps(path: Path) -> list[tuple[Any, list[Path]]]:
     """SGLang's dumps (a stat dump file, or a folder of dump sets) as windows, one per dump set; the
     SGLang room's reader names a bad file (SourceError, an InputError)."""
     from ..integrations.sglang.dump import dump_sets, load_source, window_from_paths
 
     if path.is_file():
-        return [load_source(path)], [path]
+        return [(load_source(path), [path])]
     sets = dump_sets(sorted(path.iterdir()))
     if not sets:
         raise FileFormatError(path, "no window files and no SGLang dumps (expert_distribution_recorder_*.pt) in "
                                     "this folder")
-    return [window_from_paths(s) for s in sets], [p for s in sets for p in s]
+    return [(window_from_paths(s), list(s)) for s in sets]
 
 
-def _merged(windows: list[Any]) -> list[Any]:
-    """Whole windows: each shard sequence merged (moewatch/shards.py), then ordered by start time."""
+def _merged(windows: list[Any]) -> tuple[list[Any], int]:
+    """(whole windows, shards refused): each shard sequence merged as the agent merges it
+    (moewatch/shards.py: the agreeing shards kept, the missing ones named in the window), then ordered by
+    start time."""
     from ..shards import merge_sequence
     from ..telemetry import WindowError
 
-    whole, sequences = [], {}
+    whole, sequences, refused = [], {}, 0
     for w in windows:
         if w.shard is None:
             whole.append(w)
@@ -125,11 +135,12 @@ def _merged(windows: list[Any]) -> list[Any]:
     for (group, sequence), shards in sequences.items():
         by_index = {s.shard.index: s for s in shards}  # the same shard read twice counts once
         try:
-            merged, _refused = merge_sequence(list(by_index.values()))
+            merged, left_out = merge_sequence(list(by_index.values()))
         except (WindowError, ValueError) as exc:
             raise TraceError(f"window sequence {sequence}", f"its shards do not merge: {exc}") from None
         whole.append(merged)
-    return sorted(whole, key=lambda w: (w.start_time, w.end_time))
+        refused += len(left_out)
+    return sorted(whole, key=lambda w: (w.start_time, w.end_time)), refused
 
 
 def trace_of(windows: list[Any], files: list[Path] = ()) -> Trace:
@@ -168,7 +179,7 @@ def trace_of(windows: list[Any], files: list[Path] = ()) -> Trace:
     return Trace(np.stack(loads), np.array(steps, dtype=np.int64), np.array(seconds), np.array(tokens),
                  np.array(starts), np.stack(maps), int(first.world_size), int(first.ranks_per_node),
                  str(first.runtime), str(first.model), str(first.ep_group), records, step_times, rebalancing,
-                 tuple(str(f) for f in files), inputs_digest(files))
+                 files=tuple(str(f) for f in files), digest=inputs_digest(files))
 
 
 def inputs_digest(files: Iterable[Path]) -> str:
