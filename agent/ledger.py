@@ -57,6 +57,7 @@ class RebalanceLedgers:
         self.windows = windows
         self._ledgers: dict[tuple[str, str], Ledger] = {}
         self._status: dict[tuple[str, str], dict[str, Any]] = {}
+        self._last_outcome: dict[tuple[tuple[str, str], str], str] = {}  # (group, policy) -> latest outcome
         self._lock = threading.Lock()
 
     def on_window(self, group: tuple[str, str], window: Window) -> list[dict[str, Any]]:
@@ -83,6 +84,8 @@ class RebalanceLedgers:
         with self._lock:
             self._ledgers.pop(group, None)
             self._status.pop(group, None)
+            for key in [k for k in self._last_outcome if k[0] == group]:
+                del self._last_outcome[key]
 
     def _ledger(self, group: tuple[str, str]) -> Ledger:
         ledger = self._ledgers.get(group)
@@ -98,10 +101,14 @@ class RebalanceLedgers:
             self._status[group] = status_after(self._status.get(group), entry)
             if audit is not None:
                 audit.record("rebalance_ledger", model=group[0], ep_group=group[1], **entry)
-            if entry["outcome"] == "did_not_pay":
-                log.info("group %s/%s: a rebalance by %s did not pay: stall %s s, gain %s s/step, net %s s",
-                         *group, entry["policy"], _round(entry["stall_seconds"]),
-                         _round(entry["gain_seconds_per_step"], 6), _round(entry["net_seconds"]))
+            # One line when a policy's rebalances stop paying, not one per rebalance (the audit has each).
+            previous = self._last_outcome.get((group, entry["policy"]))
+            self._last_outcome[(group, entry["policy"])] = entry["outcome"]
+            if entry["outcome"] == "did_not_pay" and previous != "did_not_pay":
+                log.info("group %s/%s: a rebalance by %s did not pay: stall %s s, gain %s s/step, net %s s over %s "
+                         "steps (later ones that do not pay are only audited, until one pays)", *group,
+                         entry["policy"], _round(entry["stall_seconds"]), _round(entry["gain_seconds_per_step"], 6),
+                         _round(entry["net_seconds"]), entry["horizon_steps"])
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:

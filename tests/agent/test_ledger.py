@@ -85,3 +85,17 @@ def test_the_entries_counters_start_at_zero_with_the_group(helpers, start_agent)
     assert helpers.wait_for(lambda: helpers.sample_value(helpers.scrape(daemon.http_url),
                                                          "moewatch_rebalance_ledger_entries_total",
                                                          policy="agent_plan", outcome="did_not_pay") == 0)
+
+
+def test_a_policy_that_stops_paying_is_logged_once_until_one_pays(caplog):
+    from moewatch.agent.ledger import RebalanceLedgers
+    from moewatch.agent.metrics.state import MetricsState
+
+    ledgers = RebalanceLedgers(MetricsState(), lambda: None, windows=1)
+    entry = {"policy": "engine_own", "engine": "vllm", "rebalanced_at": 1.0, "stall_seconds": 1.0,
+             "gain_seconds_per_step": 0.0, "net_seconds": -1.0, "horizon_steps": 10, "break_even_steps": None}
+    caplog.set_level("INFO", logger="moewatch.agent.ledger")
+    for outcome in ("did_not_pay", "did_not_pay", "paid", "did_not_pay"):
+        ledgers._settled(("m", "g"), [{**entry, "outcome": outcome}])
+    assert len([r for r in caplog.records if "did not pay" in r.getMessage()]) == 2
+    assert ledgers.status(("m", "g"))["did_not_pay"] == 3 and ledgers.status(("m", "g"))["paid"] == 1
