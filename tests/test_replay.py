@@ -238,6 +238,20 @@ def test_a_recommendation_names_what_it_chose_and_off_says_what_came_closest():
     assert advice.settings["eplb_config"]["step_interval"] == 100
 
 
+def test_the_alternatives_are_each_runnable_policys_best_interval_with_its_settings():
+    from moewatch.replay.recommend import alternatives
+
+    result = _result(static={"-": _figures(-1.0)}, moewatch={"100": _figures(4.0), "1000": _figures(9.0)},
+                     vllm_default={"100": _figures(-3.0)}, sglang_deepseek={"100": _figures(50.0)})
+    result["intervals"].append({"label": "500", "steps": 500, "rebalances": 3, "enough_rebalances": True})
+    result["policies"]["moewatch"]["500"] = _figures(6.0)
+    got = alternatives(result, "vllm", CONTEXT)
+    assert sorted(got) == ["moewatch", "static", "vllm_default"]  # not SGLang's; off needs no settings
+    assert (got["moewatch"]["interval"], got["moewatch"]["net_seconds_per_hour"]) == ("500", 6.0)  # 1000: once
+    assert got["moewatch"]["settings"]["eplb_config"]["step_interval"] == 500
+    assert got["static"]["settings"]["env"].endswith("MOEWATCH_EPLB_PLACEMENT=placement.json")
+
+
 # --- the command on hand-made windows -------------------------------------------------------------
 
 def vllm_like_window(load: np.ndarray, start: float, tokens: np.ndarray, seconds: np.ndarray, ep_group: str = "ep0",

@@ -25,7 +25,7 @@ from ..planner.placement_math import check_sizes, contiguous_placement
 from .cost_fit import busiest_pairs_per_step, fit_step_cost, migration_cost, operator_step_cost
 from .engine_policies import ENGINE_POLICIES, PolicySizes, run_engine_policy
 from .intervals import Interval, default_intervals, parse_intervals
-from .recommend import DEFAULT_MIN_GAIN, ENGINE_OWN, PLACEMENT_FILE, insufficient, recommend
+from .recommend import DEFAULT_MIN_GAIN, ENGINE_OWN, PLACEMENT_FILE, alternatives, insufficient, recommend
 from .replay import MOEWATCH, OFF, POLICIES, STATIC, Geometry, Recording, replay
 from .report import RESULT_SCHEMA, jsonable, render_text, write_result
 from .svg import picture
@@ -176,6 +176,7 @@ def replay_command(ctx: click.Context, windows, engine, policies, intervals, ran
         + ([f"{trace.refused_shards} shard(s) disagreed with the rest of their window and were left out, as the "
             "agent leaves them out"] if trace.refused_shards else []),
         "recommendation": None if advice is None else advice.to_dict(),
+        "alternatives": {} if reason else alternatives(got, engine, context),
         "no_recommendation": reason,
     }
     result["machine"] = load_between(before, sample())

