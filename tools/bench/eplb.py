@@ -137,21 +137,15 @@ def run_sglang_deepseek(loads: np.ndarray, shape: dict[str, int]) -> dict[str, A
     import torch
     from sglang.srt.eplb import eplb_algorithms
 
+    from moewatch.runtime.engines.eplb_policy_driver import sglang_deepseek  # the call moewatch replay makes
+
     P, W, N, groups = shape["slots"], shape["ranks"], shape["nodes"], shape["groups"]
-    maps, seconds = [], []
-    for window in loads:
-        started = time.perf_counter()
-        phy2log, _, _ = eplb_algorithms.rebalance_experts(
-            tokens_per_expert=torch.from_numpy(window)[None], num_physical_experts=P,
-            num_local_physical_experts=P // W, num_groups=groups, num_nodes=N,
-            algorithm=eplb_algorithms.EplbAlgorithm.deepseek)
-        seconds.append(time.perf_counter() - started)
-        maps.append(phy2log.numpy().astype(np.int64))
+    maps, seconds = sglang_deepseek(loads, np.zeros((loads.shape[1], P), dtype=np.int64), shape)
     pause = stepping_pauses(lambda t: eplb_algorithms.rebalance_experts(
         tokens_per_expert=torch.from_numpy(loads[t])[None], num_physical_experts=P,
         num_local_physical_experts=P // W, num_groups=groups, num_nodes=N,
         algorithm=eplb_algorithms.EplbAlgorithm.deepseek), len(loads))
-    return {"sglang_deepseek": {"maps": np.stack(maps), "seconds": seconds, "decisions": [], "fallbacks": 0,
+    return {"sglang_deepseek": {"maps": maps, "seconds": seconds, "decisions": [], "fallbacks": 0,
                                 "pause": pause}}
 
 
