@@ -413,6 +413,7 @@ def test_sglang_dumps_replay_in_time_order_and_without_a_step_clock_need_the_ope
     (["{w}", "--intervals", "0"], "--intervals: '0' is not a positive whole number"),
     (["{w}", "--policies", "round_robin"], "--policies: unknown policy 'round_robin'"),
     (["{w}", "--ranks", "3"], "slots"),
+    (["{w}", "--groups", "3"], "--groups: 3 expert groups do not divide the windows' 8 experts"),
     (["{w}", "--policies", "vllm_default", "--vllm-python", "{missing}"], "--vllm-python:"),
     (["{w}", "{other}"], "replay one EP group's windows"),
 ])

@@ -120,6 +120,8 @@ def replay_command(ctx: click.Context, windows, engine, policies, intervals, ran
     else:  # the recording's nodes when its ranks are replayed, else one node
         N = max(1, trace.world_size // max(trace.ranks_per_node, 1)) if ranks is None else 1
     check_sizes(trace.num_experts, P, W, N)
+    if trace.num_experts % groups:
+        raise InputError("--groups", f"{groups} expert groups do not divide the windows' {trace.num_experts} experts")
     recorded_map = trace.maps[0]
     initial = (recorded_map if recorded_map.shape[1] == P
                else contiguous_placement(trace.num_layers, trace.num_experts, P))
