@@ -73,6 +73,7 @@ def render_text(result: dict[str, Any]) -> str:
                                              ("--migration-rate", mig["rate_source"])) if source.startswith("assumed")]
         if assumed and rec_["choice"] != "off":
             lines.append(f"  (the stall is priced with an assumed figure above: give {' and '.join(assumed)})")
+    lines.append(f"command: {result['command']}")
     m = result.get("machine")
     if m:
         others = "unknown" if m["other_cpu_cores"] is None else f"{m['other_cpu_cores']:.2f} cores"
