@@ -20,6 +20,7 @@ import click
 from .cli_contract import OneLineCommand, fail_input
 from .commands import load_window
 from .ledger import DEFAULT_WINDOWS, Ledger, add_window_of, format_entry
+from .planner.files import window_files
 from .shards import merge_sequence
 from .telemetry import Window, WindowError
 
@@ -60,9 +61,10 @@ def audit_entries(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def window_files(path: Path) -> list[Path]:
+def windows_in(path: Path) -> list[Path]:
+    """A window file as it is; a folder's window files (a writer's temporary files left out)."""
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in (".json", ".bin"))
+        files = window_files(path)  # an unreadable file: an InputError, one line (OneLineCommand)
         if not files:
             fail_input(f"{path}: no window files (*.json) in this folder")
         return files
@@ -118,7 +120,7 @@ def ledger(sources: tuple[str, ...], as_json: bool, per_window: int) -> None:
         if path.is_file() and is_audit_log(path):
             entries += audit_entries(path)
             continue
-        windows += [(f, load_window(str(f))) for f in window_files(path)]
+        windows += [(f, load_window(str(f))) for f in windows_in(path)]
     entries += ledger_of_windows(whole_windows(windows), per_window)
     if as_json:
         click.echo(json.dumps(entries, allow_nan=False))
