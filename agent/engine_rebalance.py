@@ -1,4 +1,5 @@
-"""Verifying the engine's own rebalances (moewatch's EPLB policy inside vLLM or SGLang): the layers a
+"""Verifying the engine's own rebalances (moewatch's EPLB policy inside vLLM or SGLang, or the engine's
+own policy recorded with moewatch's off): the layers a
 rebalance moved, by the records its window carried (extra.engine_rebalance), are compared on the
 next window that measures balancedness with the window before the rebalance. Pure: the caller keeps
 the pending check between windows and writes the verdict (audit line, counters).
@@ -15,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .metrics.engine_rebalance import record_number
+from .metrics.engine_rebalance import is_engine_own, record_number
 
 MOVED_PREFIXES = ("moved", "placed")  # the planner's reasons for a layer whose row changed
 
@@ -28,9 +29,13 @@ class PendingCheck:
 
 
 def moved_layers(records: Sequence[dict[str, Any]]) -> tuple[int, ...]:
-    """Layers any decided record moved (its layers_by_reason under a moved or placed reason)."""
+    """Layers any decided record moved (its layers_by_reason under a moved or placed reason, or the
+    layers_changed of the engine's own policy's call)."""
     out: set[int] = set()
     for record in records:
+        if is_engine_own(record):
+            out.update(layer for layer in record["layers_changed"] if isinstance(layer, int) and not isinstance(layer, bool))
+            continue
         reasons = record.get("layers_by_reason")
         if record.get("fallback") is True or not isinstance(reasons, dict):
             continue
@@ -73,6 +78,15 @@ def status_after(status: dict[str, Any] | None, records: Sequence[dict[str, Any]
     for record in records:
         out["calls"] += 1
         out["engine"] = record["engine"]
+        if is_engine_own(record):
+            out["engine_own"] = out.get("engine_own", 0) + 1
+            out["last"] = {
+                "window_end": window_end, "policy": "engine_own",
+                "layers_moved": float(len(record["layers_changed"])),
+                "experts_moved": record_number(record.get("slots_moved")),
+                **{key: record_number(record.get(key)) for key in ("balancedness_before", "balancedness_after")},
+            }
+            continue
         if record.get("fallback") is True:
             out["fallbacks"] += 1
             out["last_fallback"] = {"window_end": window_end, "error": str(record.get("error", ""))[:200]}

@@ -84,15 +84,22 @@ def _clock(epoch_seconds: float | None) -> str:
 
 
 def format_engine_rebalance(status: dict[str, Any] | None, colour: bool) -> list[str]:
-    """The engine's own rebalances with moewatch's policy inside (the agent's status.engine_rebalance):
+    """The engine's own rebalances, by moewatch's policy inside or its own (the agent's status.engine_rebalance):
     what the latest call did, and how the next window judged it; no lines when there were none."""
     if not status:
         return []
     calls = status.get("calls", 0)
-    head = (f"engine rebalance ({status.get('engine', '?')}, moewatch's policy): {calls} call{'' if calls == 1 else 's'}, "
+    own = status.get("engine_own", 0)
+    whose = "moewatch's policy" if not own else "its own policy" if own == calls else "moewatch's and its own policy"
+    head = (f"engine rebalance ({status.get('engine', '?')}, {whose}): {calls} call{'' if calls == 1 else 's'}, "
             f"{status.get('fallbacks', 0)} answered by the engine's own after an error")
     last = status.get("last")
-    if last:
+    if last and last.get("policy") == "engine_own":
+        head += (f"; latest {_clock(last.get('window_end'))} by its own policy: {_num(last.get('layers_moved'), '.0f')} "
+                 f"layers changed, {_num(last.get('experts_moved'), '.0f')} slots, balancedness "
+                 f"{_num(last.get('balancedness_before'), '.3f')} -> {_num(last.get('balancedness_after'), '.3f')} "
+                 f"on the load it rebalanced")
+    elif last:
         kept = ", ".join(f"{k} {v:.0f}" for k, v in sorted(last.get("layer_outcomes", {}).items())
                          if k.startswith("kept") and v)
         head += (f"; latest {_clock(last.get('window_end'))}: {_num(last.get('layers_moved'), '.0f')} layers moved, "

@@ -1,6 +1,7 @@
-"""Families of the engine's own rebalancing with moewatch's policy inside it (vLLM's or SGLang's EPLB):
-the records the engine adapter carries in its windows (extra.engine_rebalance), and the agent's check
-of each rebalance on the next window."""
+"""Families of the engine's own rebalancing (vLLM's or SGLang's EPLB), whoever's policy answered it:
+the records the engine adapter carries in its windows (extra.engine_rebalance: moewatch's policy's
+decisions and fallbacks, and the calls of the engine's own policy the adapter records with moewatch's
+off), and the agent's check of each rebalance on the next window."""
 
 from __future__ import annotations
 
@@ -18,19 +19,21 @@ if TYPE_CHECKING:
 
 CALLS_TOTAL = Counter(
     "moewatch_engine_rebalance_calls_total", (*GROUP, "engine", "result"),
-    "Engine rebalance calls answered by moewatch's policy (result decided) or, after an error, by the "
-    "engine's own algorithm (result fallback).")
+    "Engine rebalance calls answered by moewatch's policy (result decided), after an error by the "
+    "engine's own algorithm (result fallback), or by the engine's own policy with moewatch's off "
+    "(result engine_own).")
 LAYERS_TOTAL = Counter(
     "moewatch_engine_rebalance_layers_total", (*GROUP, "outcome"),
     "Layers per engine rebalance by outcome (moved, moved_less, placed, kept_no_better, kept_not_paying, "
     "kept_idle, placed_static, kept_static).")
 EXPERTS_MOVED_TOTAL = Counter(
     "moewatch_engine_rebalance_experts_moved_total", GROUP,
-    "Slots whose expert the engine's rebalances changed, as moewatch's policy decided.")
+    "Slots whose expert the engine's rebalances changed (moewatch's policy's decisions and the engine's own "
+    "policy's recorded calls).")
 BALANCEDNESS = Gauge(
     "moewatch_engine_rebalance_balancedness_ratio", (*GROUP, "phase"),
-    "Predicted balancedness of the latest engine rebalance: before, proposed (the planner's) and after "
-    "(what the gate kept).", unit="ratio")
+    "Balancedness of the latest engine rebalance on the load it was solved for: before, proposed (moewatch's "
+    "planner's) and after (what the gate kept, or what the engine's own policy answered).", unit="ratio")
 PREDICTED_STALL = Gauge(
     "moewatch_engine_rebalance_predicted_stall_seconds", GROUP,
     "Predicted stall of the latest engine rebalance's moves.", unit="seconds")
@@ -58,23 +61,36 @@ def records_of(w: Window) -> list[dict[str, Any]]:
     if not isinstance(records, list):
         return []
     return [r for r in records if isinstance(r, dict) and isinstance(r.get("engine"), str)
-            and (r.get("fallback") is True or isinstance(r.get("layer_outcomes"), dict))]
+            and (r.get("fallback") is True or isinstance(r.get("layer_outcomes"), dict) or is_engine_own(r))]
+
+
+def is_engine_own(record: dict[str, Any]) -> bool:
+    """A call of the engine's own policy that the adapter recorded with moewatch's policy off
+    (moewatch.engine_rebalancing.observed_rebalance: layers_changed and slots_moved, no layer outcomes)."""
+    return record.get("policy") == "engine" and isinstance(record.get("layers_changed"), list)
+
+
+def call_result(record: dict[str, Any]) -> str:
+    """The calls_total `result` of a well-formed record (records_of)."""
+    if record.get("fallback") is True:
+        return "fallback"
+    return "engine_own" if is_engine_own(record) else "decided"
 
 
 def record_rebalances(state: MetricsState, group: tuple[str, str], records: list[dict[str, Any]]) -> None:
     """Count the engine's rebalance calls and their layers; the latest decision's predictions as gauges."""
     for r in records:
-        result = "fallback" if r.get("fallback") is True else "decided"
+        result = call_result(r)
         # A bounded label set: the registered integrations' runtimes, anything else "other".
         engine = r["engine"] if registry.covering(r["engine"]) is not None else "other"
         state[CALLS_TOTAL].inc((*group, engine, result))
         if result == "fallback":
             continue
-        for outcome in OUTCOMES:
+        for outcome in OUTCOMES if result == "decided" else ():
             count = record_number(r["layer_outcomes"].get(outcome, 0))
             if count:
                 state[LAYERS_TOTAL].inc((*group, outcome), count)
-        moved = record_number(r.get("experts_moved"))
+        moved = record_number(r.get("experts_moved" if result == "decided" else "slots_moved"))
         if moved:
             state[EXPERTS_MOVED_TOTAL].inc(group, moved)
         for phase in ("before", "proposed", "after"):

@@ -175,3 +175,33 @@ def test_top_shows_the_latest_engine_rebalance_and_its_check():
     assert failed.endswith("RuntimeError: injected")
     assert "\x1b[" in format_engine_rebalance(status, colour=True)[1]  # worse stands out in a terminal
     assert format_engine_rebalance(None, colour=False) == []
+
+
+def test_the_engines_own_policys_calls_are_counted_checked_and_shown(helpers):
+    """With moewatch's policy off the adapters record the engine's own calls (observed_rebalance: policy
+    "engine", layers_changed, slots_moved): counted as result engine_own with their slots, their layers
+    checked on the next window like moewatch's, and named as the engine's own in top."""
+    from moewatch.agent import engine_rebalance as er
+    from moewatch.agent.top import format_engine_rebalance
+    from moewatch.engine_rebalancing import observed_rebalance
+
+    load = helpers.hot_load(L, E, hot=0)
+    before = contiguous_placement(L, E, P)
+    after = before.copy()
+    after[1, 11] = 0  # a replica of the hot expert on the last rank, in place of the one there
+    own = {"engine": "vllm", "policy": "engine", "call": 3, "digest": "d",
+           **observed_rebalance(load, before, after, W, expert_bytes=10.0)}
+    assert own["layers_changed"] == [1] and own["slots_moved"] >= 1
+    state = MetricsState()
+    w = window_with(helpers, [own])
+    record_window(state, GroupExportMemory(), w, diagnose(w), expert_metrics=False)
+    assert state.get("moewatch_engine_rebalance_calls_total", (*GROUP, "vllm", "engine_own")) == 1
+    assert state.get("moewatch_engine_rebalance_calls_total", (*GROUP, "vllm", "decided")) is None
+    assert state.get("moewatch_engine_rebalance_experts_moved_total", GROUP) == own["slots_moved"]
+    assert state.get("moewatch_engine_rebalance_balancedness_ratio", (*GROUP, "after")) == own["balancedness_after"]
+    assert er.moved_layers([own]) == (1,)
+    status = er.status_after(None, [own], None, 10.0)
+    assert status["engine_own"] == 1 and status["last"]["policy"] == "engine_own"
+    head, = format_engine_rebalance(status, colour=False)
+    assert head.startswith("engine rebalance (vllm, its own policy): 1 call")
+    assert f"by its own policy: 1 layers changed, {own['slots_moved']} slots" in head
