@@ -424,3 +424,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert got.returncode == 2, got.stderr
     lines = [line for line in got.stderr.splitlines() if not line.startswith("replay: ")]
     assert len(lines) == 1 and lines[0].startswith("moewatch: error: replay: ") and message in lines[0], lines
+
+
+def test_the_pictures_axes_are_labelled_at_round_values_that_include_zero():
+    from moewatch.replay.svg import round_ticks
+
+    assert round_ticks(-13.7, 13.9) == [-10.0, -5.0, 0.0, 5.0, 10.0]
+    assert round_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert round_ticks(0.741, 0.817) == [0.76, 0.78, 0.8]
+    for lo, hi in [(-0.004, 0.0123), (3.0, 3.5), (-1e4, 2.0)]:
+        ticks = round_ticks(lo, hi)
+        assert 2 <= len(ticks) <= 6 and all(lo <= t <= hi for t in ticks)

@@ -5,6 +5,7 @@ steps, labelled with their steps."""
 
 from __future__ import annotations
 
+import math
 from html import escape
 from typing import Any
 
@@ -35,6 +36,16 @@ def picture(result: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def round_ticks(lo: float, hi: float, most: int = 6) -> list[float]:
+    """Values for an axis from lo to hi (lo < hi) at a round step (1, 2 or 5 times a power of ten), at most
+    `most` of them, so a reader reads 0 and the figures between at a glance."""
+    span = hi - lo
+    power = 10.0 ** math.floor(math.log10(span / most))
+    step = next(power * f for f in (1, 2, 5, 10) if span / (power * f) <= most)
+    first = math.ceil(lo / step)
+    return [round(k * step, 12) for k in range(first, math.floor(hi / step) + 1)]
+
+
 def _panel(result: dict[str, Any], intervals: list[dict[str, Any]], key: str, title: str, top: int) -> list[str]:
     right = WIDTH - RIGHT
     bottom = top + PANEL_H
@@ -55,9 +66,9 @@ def _panel(result: dict[str, Any], intervals: list[dict[str, Any]], key: str, ti
     out = [f'<text x="{LEFT}" y="{top - 8}" font-weight="bold">{escape(title)}</text>',
            f'<line x1="{LEFT}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#000"/>',
            f'<line x1="{LEFT}" y1="{top}" x2="{LEFT}" y2="{bottom}" stroke="#000"/>']
-    for tick in range(5):
-        v = lo + (hi - lo) * tick / 4
-        out.append(f'<text x="{LEFT - 4}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.3g}</text>')
+    for v in round_ticks(lo, hi):
+        out.append(f'<line x1="{LEFT - 3}" y1="{y(v):.1f}" x2="{LEFT}" y2="{y(v):.1f}" stroke="#000"/>')
+        out.append(f'<text x="{LEFT - 5}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.6g}</text>')
     if lo < 0 < hi:
         out.append(f'<line x1="{LEFT}" y1="{y(0):.1f}" x2="{right}" y2="{y(0):.1f}" stroke="#bdbdbd"/>')
     for i, interval in enumerate(intervals):
