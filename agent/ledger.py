@@ -59,6 +59,9 @@ class RebalanceLedgers:
         self._status: dict[tuple[str, str], dict[str, Any]] = {}
         self._last_outcome: dict[tuple[tuple[str, str], str], str] = {}  # (group, policy) -> latest outcome
         self._lock = threading.Lock()
+        # Called with (group, entry) for each settled entry, after it is audited and exported (the demo
+        # prints them); a failing listener is logged, never stops the ledger.
+        self.listeners: list[Callable[[tuple[str, str], dict[str, Any]], None]] = []
 
     def on_window(self, group: tuple[str, str], window: Window) -> list[dict[str, Any]]:
         with self._lock:
@@ -101,6 +104,11 @@ class RebalanceLedgers:
             self._status[group] = status_after(self._status.get(group), entry)
             if audit is not None:
                 audit.record("rebalance_ledger", model=group[0], ep_group=group[1], **entry)
+            for listener in self.listeners:
+                try:
+                    listener(group, entry)
+                except Exception:
+                    log.exception("ledger listener failed")
             # One line when a policy's rebalances stop paying, not one per rebalance (the audit has each).
             previous = self._last_outcome.get((group, entry["policy"]))
             self._last_outcome[(group, entry["policy"])] = entry["outcome"]

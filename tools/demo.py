@@ -136,6 +136,7 @@ class Recorder:
         self.colour = live and (sys.stderr if err else sys.stdout).isatty()
         self.windows: list[TriagedWindow] = []
         self.events: list[dict[str, Any]] = []
+        self.ledger: list[dict[str, Any]] = []  # the rebalance ledger's settled entries
         self.first_window_at: tuple[float, resource.struct_rusage] | None = None
         self.last_window_at: tuple[float, resource.struct_rusage] | None = None
         self.lock = threading.Lock()
@@ -182,6 +183,30 @@ class Recorder:
                         f"({entry['pairs_per_second']:,.0f} pairs/s)")
         elif event in ("verified", "rollback", "rolled_back", "plan_failed", "plan_invalid"):
             self._print(f"  {event}: epoch {entry.get('epoch')} {entry.get('reason') or entry.get('error') or ''}")
+
+
+    def on_ledger(self, group: tuple[str, str], entry: dict[str, Any]) -> None:
+        with self.lock:
+            self.ledger.append(entry)
+        epoch = (entry.get("plan") or {}).get("epoch")
+        whose = f"epoch {epoch}'s plan" if epoch is not None else entry["policy"]
+        self._print(f"  ledger: {whose} {LEDGER_OUTCOMES.get(entry['outcome'], entry['outcome'])}: "
+                    + ledger_figures(entry))
+
+
+LEDGER_KEYS = ("policy", "outcome", "slots_moved", "balancedness_before", "balancedness_after", "step_seconds_before",
+               "step_seconds_after", "stall_seconds", "gain_seconds_per_step", "net_seconds", "horizon_steps",
+               "horizon", "break_even_steps")
+LEDGER_OUTCOMES = {"paid": "paid", "did_not_pay": "did not pay", "unknown": "unknown (no step times)"}
+
+
+def ledger_figures(entry: dict[str, Any]) -> str:
+    """A ledger entry's measured figures in a line: stall, gain, net over its horizon, break-even."""
+    even = entry.get("break_even_steps")
+    return (f"stall {_fmt(entry.get('stall_seconds'), ' ms', 1e3, 0)}, gain "
+            f"{_fmt(entry.get('gain_seconds_per_step'), ' ms/step', 1e3, 2)}, net "
+            f"{_fmt(entry.get('net_seconds'), ' s', 1, 2)} over {entry.get('horizon_steps')} steps, break-even "
+            + ("never" if even is None else f"{even:.0f} steps"))
 
 
 def runtime_command(socket_path: str, seconds: float, ranks: int, flags: dict[str, Any]) -> list[str]:
@@ -244,6 +269,7 @@ class Session:
     audit_log: str
     metrics_url: str
     work: Path
+    ledger: list[dict[str, Any]]  # the rebalance ledger's settled entries, in order
 
 
 def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str, Any], seconds: float, ranks: int,
@@ -266,6 +292,7 @@ def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str
     mending_compiled.compile_only_when_asked()
     daemon = Daemon(cfg)
     daemon.window_listeners.append(recorder.on_window)
+    daemon.ledgers.listeners.append(recorder.on_ledger)
     daemon.start()
     daemon.controller.listeners.append(recorder.on_event)
     metrics_url = daemon.http_url + "/metrics"
@@ -297,12 +324,12 @@ def run_session(work: Path, runtime_flags: dict[str, Any], agent_flags: dict[str
     finally:
         daemon.stop()
     with recorder.lock:
-        windows, events = list(recorder.windows), list(recorder.events)
+        windows, events, ledger = list(recorder.windows), list(recorder.events), list(recorder.ledger)
         first, last = recorder.first_window_at, recorder.last_window_at
     ingest_wall = (last[0] - first[0]) if first and last and last[0] > first[0] else None
     cpu_share = (_cpu(last[1]) - _cpu(first[1])) / ingest_wall if ingest_wall else None
     return Session(windows, events, runtime, rejected, cpu_share, current_rss, peak_rss, str(cfg.log.audit_log),
-                   metrics_url, work)
+                   metrics_url, work, ledger)
 
 
 # --- steady state ---------------------------------------------------------------------------------
@@ -426,6 +453,7 @@ def _summarise(session: Session) -> dict[str, Any]:
         "final_epoch": runtime["epoch"],
         **step_figures(windows, events, int(runtime["config"]["warmup_steps"])),
         "old_map_same_traffic": old_map_figures(events),
+        "rebalances": [{k: e.get(k) for k in LEDGER_KEYS} for e in session.ledger],
         "pairs_routed": runtime["pairs_routed"],
         "pairs_dropped": runtime["pairs_dropped"],
         "pairs_lost": runtime["pairs_lost"],
@@ -469,6 +497,9 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
                    f"{_fmt(old['balancedness_after'], '', 1, 3)} measured, layer time "
                    f"{_fmt(old['layer_seconds_old_map_same_load'], '', 1e3, 1)} vs "
                    f"{_fmt(old['layer_seconds_after'], ' ms/step', 1e3, 1)}")
+    for entry in s.get("rebalances") or ():  # results recorded before the ledger have none
+        lines.append(f"  rebalance ledger    {entry['policy']} {LEDGER_OUTCOMES.get(entry['outcome'], entry['outcome'])}: "
+                     + ledger_figures(entry))
     b = s.get("cpu_binding") or {}
     if b.get("warning"):
         lines.append(f"  note                {b['warning']}")

@@ -45,8 +45,14 @@ def test_demo_json_summary(short_tmp, monkeypatch):
     assert summary["actions_applied"] >= 1
     assert summary["balancedness_after"] > summary["balancedness_before"]
     assert 0 < summary["agent_cpu_share"] < 1 and summary["agent_rss_bytes"] > 0
-    events = [r["event"] for r in read_audit(summary["audit_log"])]
+    audit = list(read_audit(summary["audit_log"]))
+    events = [r["event"] for r in audit]
     assert "plan_applied" in events
+    # The rebalance ledger's settled entries, as the agent audited them: the agent's plans, measured.
+    settled = [r for r in audit if r["event"] == "rebalance_ledger"]
+    assert summary["rebalances"] == [{k: r.get(k) for k in demo.LEDGER_KEYS} for r in settled]
+    assert settled and all(r["policy"] in ("agent_plan", "agent_rollback") for r in settled)
+    assert all(r["stall_seconds"] is not None and r["gain_seconds_per_step"] is not None for r in settled)
     assert Path(summary["folder"], "summary.json").exists()
     # --record: the summary with its provenance, which the README's rendered summary reads.
     record = json.loads(next(results.glob("demo-*.json")).read_text())
