@@ -281,7 +281,7 @@ def goals(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
     its own after every rebalance, at most a third of its slots moved, at most half its median call
     time; and on a steady load, nothing moved after the first rebalance. Issue 32's, at the run's
     shape (a run per shape: --nodes 4, 8): at most a quarter of each engine's slots moved on every
-    load, a median call no longer than the engine's on every load, and where the run measured them,
+    load, no call longer than the engine's median call on every load, and where the run measured them,
     slots moved at most 1.25x the LP bound and the longest pause of the stepping thread at most 5 ms."""
     out: dict[str, bool] = {"steady_load_moves_nothing_after_first": True}
     others = sorted({p for policies in results.values() for p in policies if not is_moewatch(p)})
@@ -305,8 +305,10 @@ def goals(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
                 out[f"moved_at_most_a_third_of_{other}"] = False
             if ours["experts_moved_total"] > MOVED_SHARE_OF_ENGINE_GOAL * theirs["experts_moved_total"]:
                 out[f"moved_at_most_a_quarter_of_{other}_every_load"] = False
-            # the median of the load's calls: one slow call of a busy machine does not decide it
-            if np.median(ours["solve_seconds"]) > np.median(theirs["solve_seconds"]):
+            # moewatch's slowest call against the engine's median: on a steady load only the first call
+            # places anything (the later ones keep the map in milliseconds), so a median of ours would
+            # hide it; the engine's calls all do the same work, and its median is its steady figure.
+            if max(ours["solve_seconds"]) > np.median(theirs["solve_seconds"]):
                 out[f"call_time_at_most_{other}_every_load"] = False
         if scenario in STEADY and any(ours["experts_moved"][1:]):
             out["steady_load_moves_nothing_after_first"] = False

@@ -118,7 +118,8 @@ def test_goals_of_issue_32_slots_over_the_lp_bound_and_the_longest_pause():
 
 def test_goals_of_issue_32_a_quarter_of_each_engines_slots_and_its_call_time_on_every_load():
     """Each load on its own: a load where moewatch moves more than a quarter of an engine's slots, or
-    where its median call is longer than the engine's, fails the goal even when the totals meet it."""
+    where any call of moewatch's is longer than the engine's median call, fails the goal even when the
+    totals, or moewatch's median, meet it."""
     def figures(moved, seconds):
         return {"balancedness_after": [0.99], "experts_moved": [moved], "experts_moved_total": moved,
                 "solve_seconds": seconds}
@@ -127,12 +128,12 @@ def test_goals_of_issue_32_a_quarter_of_each_engines_slots_and_its_call_time_on_
         return bench.goals({"zipf": {"moewatch": figures(*zipf), "vllm_default": figures(100, [0.05, 0.05, 0.05])},
                             "hot": {"moewatch": figures(*hot), "vllm_default": figures(100, [0.05, 0.05, 0.05])}})
 
-    met = run((25, [0.01, 0.06, 0.02]), (10, [0.05, 0.05, 0.05]))  # medians 0.02 and 0.05: at most 0.05
+    met = run((25, [0.05, 0.004, 0.004]), (10, [0.03, 0.004, 0.004]))  # slowest 0.05 and 0.03: at most 0.05
     assert met["moved_at_most_a_quarter_of_vllm_default_every_load"]
     assert met["call_time_at_most_vllm_default_every_load"]
     # zipf alone over a quarter (26 of 100) though the two loads together move 36 of 200
     assert not run((26, [0.01]), (10, [0.01]))["moved_at_most_a_quarter_of_vllm_default_every_load"]
-    # hot alone slower (median 0.06) though moewatch's median over every call is 0.01
-    slow_hot = run((10, [0.01, 0.01, 0.01, 0.01, 0.01]), (10, [0.06, 0.06, 0.01]))
+    # hot's first call (the one that places) is slower, though its median and every other load's calls are not
+    slow_hot = run((10, [0.01, 0.01, 0.01]), (10, [0.06, 0.004, 0.004]))
     assert not slow_hot["call_time_at_most_vllm_default_every_load"]
     assert slow_hot["moved_at_most_a_quarter_of_vllm_default_every_load"]
