@@ -13,9 +13,9 @@ already balanced costs nothing and a drifting one costs a handful of moves:
    running hot (one slot rewritten per count change);
 3. swaps: while the busiest GPU is over the target, swap one of its replicas with one on another
    GPU (the 16 idlest first, every GPU when none of those helps; a layer that misses its target
-   that way tries again with four busy GPUs a round, 4 partners each): among the swaps that bring it
-   down to the target the one that rewrites the fewest slots (and of those the one that moves the
-   least load), else the one that lowers it most.
+   that way with every share of step 2 tries them again with four busy GPUs a round, 4 partners
+   each): among the swaps that bring it down to the target the one that rewrites the fewest slots
+   (and of those the one that moves the least load), else the one that lowers it most.
 Every step is done for all layers at once; the loops run over moves, not layers. A layer that ends
 over its target is reported, so the caller can fall back to the full solve for it alone.
 
@@ -45,20 +45,20 @@ class RoundShape:
     busiest_partners: int
 
 
-# Tried in this order, per share, while a layer misses its target. One busy GPU a round, choosing
-# among 16 partners after the last swap has landed, rewrites fewer slots, but alone it gets stuck on
-# more small layers (24 of 864 at 8 to 32 GPUs missed their target, against 15 with four busy GPUs a
-# round); those get the second shape. Both: 10 of 864 missed, and at 61 x 256, 320 slots, 64 GPUs,
-# 5 to 9 % fewer slots were rewritten than with the second shape alone, at the same or higher
-# balancedness.
+# Tried in this order while a layer misses its target, each with every share of HEAVY_SHARES before
+# the next shape (_one_pass). One busy GPU a round, choosing among 16 partners after the last swap
+# has landed, rewrites fewer slots, but alone it gets stuck on more small layers (24 of 864 at 8 to
+# 32 GPUs missed their target, against 15 with four busy GPUs a round); those get the second shape.
+# Both: 10 of 864 missed, and at 61 x 256, 320 slots, 64 GPUs, 5 to 9 % fewer slots were rewritten
+# than with the second shape alone, at the same or higher balancedness.
 ROUND_SHAPES = (RoundShape(heavy=1, partners=16, busiest_partners=64),
                 RoundShape(heavy=4, partners=4, busiest_partners=12))
 # A replica may carry this share of the target busiest load before its expert is given another
-# slot; tried in this order per layer. High shares change few counts but can leave a replica too
-# heavy to pack (hot-expert loads); 0 goes down to the best counts. At 61 x 256, 320 slots, 64
-# GPUs, 0.6 reached the target on every lognormal and hot-expert layer and on 7 to 18 of 61 Zipf
-# ones (4 seeds); 0.75 on 60 or 61 of the rest, rewriting 7 to 10 % fewer slots than 0.85, which
-# reaches every Zipf layer and stays as the next try.
+# slot; tried in this order per layer, within each round shape. High shares change few counts but
+# can leave a replica too heavy to pack (hot-expert loads); 0 goes down to the best counts. At 61 x
+# 256, 320 slots, 64 GPUs, 0.6 reached the target on every lognormal and hot-expert layer and on 7
+# to 18 of 61 Zipf ones (4 seeds); 0.75 on 60 or 61 of the rest, rewriting 7 to 10 % fewer slots
+# than 0.85, which reaches every Zipf layer and stays as the next try.
 HEAVY_SHARES = (0.6, 0.75, 0.85, 0.0)
 # Swap rounds between checks that the busiest GPU came down by the tolerance (else the layer stops).
 STALL_ROUNDS = 16
@@ -147,41 +147,52 @@ def repair_placement(load: np.ndarray, current: np.ndarray, num_gpus: int, toler
 
 def _one_pass(load: np.ndarray, start: np.ndarray, num_gpus: int, num_nodes: int, target_max: np.ndarray,
               best_counts_heaviest: np.ndarray, budget: np.ndarray, progress: float) -> Repair:
-    """One mending of each layer of `start` [A, P] for each share in HEAVY_SHARES and, within a share,
-    each of ROUND_SHAPES, as long as the layer misses its target; keeps the try `_better_of` prefers.
+    """One mending of each layer of `start` [A, P] for each of ROUND_SHAPES and, within a shape, each
+    share in HEAVY_SHARES, as long as the layer misses its target; keeps the try `_better_of` prefers.
     Moves are counted from `start`, so a pass is a function of where it starts alone (what makes the
-    result a fixed point)."""
+    result a fixed point).
+
+    Shapes outside, shares inside: a layer that one share's first shape leaves short of its target
+    goes on to the next share's first shape before any share's second. On the EPLB benchmark's Zipf
+    load at 64 GPUs the first share's first shape reached 2 of 61 layers and its second shape 5 more,
+    at a third of the call; the next share's first shape reaches most of them, with as few or fewer
+    slots rewritten."""
+    A = load.shape[0]
     best: Repair | None = None
-    todo = np.arange(load.shape[0])
-    tried_limits: list[np.ndarray] = []
+    todo = np.arange(A)
+    # Per share: its limits, and where they equal an earlier share's (the same limit gives the same
+    # mending, and the same round shape was tried on it: skipped).
+    shares: list[tuple[np.ndarray, np.ndarray]] = []
     for share in HEAVY_SHARES:
-        if not todo.size:
-            break
         limits = np.maximum(best_counts_heaviest, share * target_max)
-        # Where the best counts allow more than this share, it is a share already tried (the same limit
-        # gives the same mending, and every round shape was tried on it): skipped.
-        repeat = np.zeros(limits.shape, dtype=bool)
-        for seen in tried_limits:
+        repeat = np.zeros(A, dtype=bool)
+        for seen, _ in shares:
             repeat |= limits == seen
-        tried_limits.append(limits)
-        run = todo[~repeat[todo]]
-        if not run.size:
-            continue
-        mended = start[run].copy()
-        counts = _mend_counts(load[run], mended, num_gpus, limits[run], budget[run])
-        of_run = np.arange(run.size)  # rows of `mended` still to try
-        for shape in ROUND_SHAPES:
-            if not of_run.size:
-                break
-            layers = run[of_run]
-            sub_load, row, sub_counts = load[layers], mended[of_run], counts[of_run]  # (a copy: fancy index)
-            swaps = _swap_down(sub_load, row, start[layers], num_gpus, num_nodes, target_max[layers],
-                               budget[layers] - sub_counts, progress, shape)
+        shares.append((limits, repeat))
+    # The counts mended once per share and layer; every round shape starts from them.
+    mended = np.empty((len(shares),) + start.shape, dtype=np.int64)
+    counts = np.zeros((len(shares), A), dtype=np.int64)
+    counted = np.zeros((len(shares), A), dtype=bool)
+    for shape in ROUND_SHAPES:
+        for i, (limits, repeat) in enumerate(shares):
+            if not todo.size:
+                return best
+            run = todo[~repeat[todo]]
+            if not run.size:
+                continue
+            fresh = run[~counted[i, run]]
+            if fresh.size:
+                rows = start[fresh].copy()
+                counts[i, fresh] = _mend_counts(load[fresh], rows, num_gpus, limits[fresh], budget[fresh])
+                mended[i, fresh] = rows
+                counted[i, fresh] = True
+            sub_load, row, sub_counts = load[run], mended[i, run], counts[i, run]  # (a copy: fancy index)
+            swaps = _swap_down(sub_load, row, start[run], num_gpus, num_nodes, target_max[run],
+                               budget[run] - sub_counts, progress, shape)
             busiest = _gpu_loads(sub_load, row, num_gpus).max(axis=1)
-            tried = Repair(row, target_max[layers], busiest, _within(busiest, target_max[layers]), sub_counts, swaps)
-            best = tried if best is None else _better_of(best, tried, layers, start)
-            of_run = of_run[~best.reached[layers]]
-        todo = np.flatnonzero(~best.reached)
+            tried = Repair(row, target_max[run], busiest, _within(busiest, target_max[run]), sub_counts, swaps)
+            best = tried if best is None else _better_of(best, tried, run, start)
+            todo = np.flatnonzero(~best.reached)
     return best
 
 
