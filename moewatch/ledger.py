@@ -269,10 +269,9 @@ def measure(r: Rebalance, before: Sequence[WindowPoint], during: Sequence[Window
             slo: Sequence[SloInterval] = (), settled: bool = True) -> dict[str, Any]:
     """One ledger entry from the rebalance and its windows by phase; horizon: (steps, how it was
     known: next_rebalance | configured_interval | observed), None when unknown."""
-    timed = [p for p in before if p.step_seconds is not None]
     pace = {name: pace_seconds([p.step_seconds for p in ps if p.step_seconds is not None],
                                [p.steps for p in ps if p.step_seconds is not None])
-            for name, ps in (("before", timed), ("during", during), ("after", after))}
+            for name, ps in (("before", before), ("during", during), ("after", after))}
     between = r.plan.between_steps_stall_seconds if r.plan is not None else 0.0
     stall = gain = net = even = None
     if pace["before"] is not None and all(p.step_seconds is not None for p in during):
