@@ -70,19 +70,18 @@ def record_entry(state: MetricsState, group: tuple[str, str], entry: dict[str, A
     if entry.get("stall_seconds") is not None:
         state[STALL_TOTAL].inc(labels, entry["stall_seconds"])
     for family in LATEST:
-        value = entry.get(KEYS[family])
-        if value is None:
-            state[family].remove(labels)
-        else:
-            state[family].set(labels, float(value))
-    for family, phases in ((BALANCEDNESS, ("before", "after")), (STEP_SECONDS, ("before", "during", "after"))):
-        prefix = "balancedness" if family is BALANCEDNESS else "step_seconds"
+        _set_or_remove(state, family, labels, entry.get(KEYS[family]))
+    for family, prefix, phases in ((BALANCEDNESS, "balancedness", ("before", "after")),
+                                   (STEP_SECONDS, "step_seconds", ("before", "during", "after"))):
         for phase in phases:
-            value = entry.get(f"{prefix}_{phase}")
-            if value is None:
-                state[family].remove((*labels, phase))
-            else:
-                state[family].set((*labels, phase), float(value))
+            _set_or_remove(state, family, (*labels, phase), entry.get(f"{prefix}_{phase}"))
+
+
+def _set_or_remove(state: MetricsState, family: Gauge, labels: tuple[str, ...], value: float | None) -> None:
+    if value is None:
+        state[family].remove(labels)
+    else:
+        state[family].set(labels, float(value))
 
 
 def init_group(state: MetricsState, group: tuple[str, str]) -> None:
