@@ -31,6 +31,13 @@ def measured_load(paths: list[Path], layers: int, experts: int) -> np.ndarray:
     return load
 
 
+def require(condition: bool, what: str) -> None:
+    """Stop with the reason on stderr (the test shows it) when what the driver relies on does not hold:
+    a later figure built on it would fail far from the cause."""
+    if not condition:
+        raise SystemExit(f"vllm_ledger_driver: {what}")
+
+
 def main() -> None:
     model, prompts_path, rounds, slots, ranks = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     import torch
@@ -48,6 +55,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
     window_dir = Path(os.environ["MOEWATCH_WINDOW_DIR"])
     chosen = policies.EPLB_POLICIES[EPLBConfig().policy]
+    require(chosen is not DefaultEplbPolicy, "the plugin did not wrap vLLM's default EPLB policy (is "
+            "MOEWATCH_WINDOW_DIR set and MOEWATCH_EPLB off?)")
     current = torch.arange(slots).remainder(experts).repeat(layers, 1)  # vLLM's start: contiguous
     calls = []
     seen: set[Path] = set()
@@ -57,9 +66,14 @@ def main() -> None:
             break
         recent = sorted(set(window_dir.glob("*.json")) - seen)
         seen |= set(recent)
+        require(bool(recent), f"round {round_}: the plugin wrote no window")
         load = torch.from_numpy(measured_load(recent, layers, experts))
+        # An all-zero load is vLLM's profile call, which the wrapper does not record.
+        require(bool(load.sum() > 0), f"round {round_}: the windows counted no routed pair")
         own = DefaultEplbPolicy.rebalance_experts(load, slots, 1, 1, ranks, current)
         answer = chosen.rebalance_experts(load, slots, 1, 1, ranks, current)
+        require(tuple(answer.shape) == (layers, slots), f"round {round_}: the policy answered shape "
+                f"{tuple(answer.shape)}, not ({layers}, {slots})")
         calls.append({"before": current.tolist(), "after": answer.tolist(), "vllm_own": own.tolist(),
                       "load": load.tolist()})
         current = answer
