@@ -48,18 +48,26 @@ def vllm_default(loads: np.ndarray, initial: np.ndarray, shape: dict) -> tuple[n
 
 def sglang_deepseek(loads: np.ndarray, initial: np.ndarray, shape: dict) -> tuple[np.ndarray, list[float]]:
     """[R, L, E] loads -> ([R, L, P] maps, seconds per call) from SGLang's deepseek algorithm."""
-    from sglang.srt.eplb import eplb_algorithms
+    from sglang.srt.eplb import eplb_algorithms  # noqa: F401  imported before the timed calls
 
     maps, seconds = [], []
     for load in loads:
         started = time.perf_counter()
-        phy2log, _, _ = eplb_algorithms.rebalance_experts(
-            tokens_per_expert=torch.from_numpy(load)[None], num_physical_experts=shape["slots"],
-            num_local_physical_experts=shape["slots"] // shape["ranks"], num_groups=shape["groups"],
-            num_nodes=shape["nodes"], algorithm=eplb_algorithms.EplbAlgorithm.deepseek)
+        phy2log = sglang_deepseek_call(load, shape)
         seconds.append(time.perf_counter() - started)
         maps.append(phy2log.numpy().astype(np.int64))
     return _stacked(maps, loads, initial), seconds
+
+
+def sglang_deepseek_call(load: np.ndarray, shape: dict) -> "torch.Tensor":
+    """[L, E] load -> [L, P] physical-to-logical map: one call of SGLang's deepseek algorithm."""
+    from sglang.srt.eplb import eplb_algorithms
+
+    phy2log, _, _ = eplb_algorithms.rebalance_experts(
+        tokens_per_expert=torch.from_numpy(load)[None], num_physical_experts=shape["slots"],
+        num_local_physical_experts=shape["slots"] // shape["ranks"], num_groups=shape["groups"],
+        num_nodes=shape["nodes"], algorithm=eplb_algorithms.EplbAlgorithm.deepseek)
+    return phy2log
 
 
 def _stacked(maps: list[np.ndarray], loads: np.ndarray, initial: np.ndarray) -> np.ndarray:

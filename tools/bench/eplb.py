@@ -136,17 +136,11 @@ def run_vllm_policies(loads: np.ndarray, shape: dict[str, Any], environ: dict[st
 
 def run_sglang_deepseek(loads: np.ndarray, shape: dict[str, int]) -> dict[str, Any]:
     """SGLang's `deepseek` algorithm through eplb_algorithms.rebalance_experts, one call per window."""
-    import torch
-    from sglang.srt.eplb import eplb_algorithms
+    # The calls moewatch replay makes.
+    from moewatch.runtime.engines.eplb_policy_driver import sglang_deepseek, sglang_deepseek_call
 
-    from moewatch.runtime.engines.eplb_policy_driver import sglang_deepseek  # the call moewatch replay makes
-
-    P, W, N, groups = shape["slots"], shape["ranks"], shape["nodes"], shape["groups"]
-    maps, seconds = sglang_deepseek(loads, np.zeros((loads.shape[1], P), dtype=np.int64), shape)
-    pause = stepping_pauses(lambda t: eplb_algorithms.rebalance_experts(
-        tokens_per_expert=torch.from_numpy(loads[t])[None], num_physical_experts=P,
-        num_local_physical_experts=P // W, num_groups=groups, num_nodes=N,
-        algorithm=eplb_algorithms.EplbAlgorithm.deepseek), len(loads))
+    maps, seconds = sglang_deepseek(loads, np.zeros((loads.shape[1], shape["slots"]), dtype=np.int64), shape)
+    pause = stepping_pauses(lambda t: sglang_deepseek_call(loads[t], shape), len(loads))
     return {"sglang_deepseek": {"maps": maps, "seconds": seconds, "decisions": [], "fallbacks": 0,
                                 "pause": pause}}
 
