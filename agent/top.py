@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from moewatch.ledger import POLICY_TEXT
+from moewatch.ledger import whose_policy
 from moewatch.vocabulary import TERMINAL_COLOURS
 
 
@@ -134,7 +134,7 @@ def format_ledger(status: dict[str, Any] | None, colour: bool) -> str:
     if colour and last.get("outcome") == "did_not_pay":
         outcome = click.style(outcome, fg="red")
     net = last.get("net_seconds")
-    whose = POLICY_TEXT.get(last.get("policy"), str(last.get("policy"))).format(engine=last.get("engine") or "the engine")
+    whose = whose_policy(last)
     return (f"ledger: last rebalance {_clock(last.get('rebalanced_at'))} by {whose}: {outcome}, net "
             f"{'?' if net is None else format(net, '+.3f')} s over {_num(last.get('horizon_steps'), '.0f')} steps "
             f"(stall {_num(last.get('stall_seconds'), '.3f')} s, gain "

@@ -445,6 +445,11 @@ def add_window_of(ledger: Ledger, window: Any) -> list[dict[str, Any]]:
 
 # --- reading entries back -------------------------------------------------------------------------
 
+def whose_policy(e: Mapping[str, Any]) -> str:
+    """Whose policy made an entry, in words (the CLI's line and `moewatch top`)."""
+    return POLICY_TEXT.get(e.get("policy"), str(e.get("policy"))).format(engine=e.get("engine") or "the engine")
+
+
 def format_entry(e: Mapping[str, Any]) -> str:
     """One line for an operator: when, whose policy, what moved, stall, gain, net, break-even, verdict."""
     import time as _time
@@ -456,7 +461,7 @@ def format_entry(e: Mapping[str, Any]) -> str:
     layers = e.get("layers_changed")
     group = f"{e['model']}/{e['ep_group']} " if e.get("model") else ""
     even = e.get("break_even_steps")
-    whose = POLICY_TEXT.get(e.get("policy"), str(e.get("policy"))).format(engine=e.get("engine") or "the engine")
+    whose = whose_policy(e)
     text = (f"{when} {group}{whose}: {'?' if layers is None else len(layers)} layers, "
             f"{num(e.get('slots_moved'), '.0f')} slots"
             + ("" if e.get("bytes_moved") is None else f" ({e['bytes_moved'] / 1e6:.1f} MB)")
