@@ -32,6 +32,13 @@ def node_of_rank(world_size: int, ranks_per_node: int) -> np.ndarray:
 def cross_node_pairs(traffic: np.ndarray, ranks_per_node: int) -> np.ndarray:
     """[L, W, W] pairs from rank i to rank j -> [L] pairs whose source and slot sit on different nodes."""
     traffic = np.asarray(traffic)
+    if traffic.dtype.kind in "iu":
+        # Counts: what crossed is what did not stay inside a node's diagonal block (exact in integers,
+        # without an [L, W, W] product).
+        nodes = num_nodes(traffic.shape[1], ranks_per_node)  # as node_of_rank splits the matrix
+        size = traffic.shape[1] // nodes
+        blocks = traffic.reshape(traffic.shape[0], nodes, size, nodes, size)
+        return traffic.sum(axis=(1, 2)) - np.diagonal(blocks, axis1=1, axis2=3).sum(axis=(1, 2, 3))
     node = node_of_rank(traffic.shape[1], ranks_per_node)
     across = node[:, None] != node[None, :]
     return (traffic * across[None, :, :]).sum(axis=(1, 2))
@@ -48,17 +55,8 @@ def cross_node_ratio(traffic: np.ndarray | None, world_size: int, ranks_per_node
     if traffic is None:
         return None
     traffic = np.asarray(traffic)
-    total = traffic.sum(axis=(1, 2))
-    if traffic.dtype.kind in "iu":
-        # Counts: what crossed is what did not stay inside a node's diagonal block (exact in integers,
-        # without an [L, W, W] product).
-        nodes = num_nodes(traffic.shape[1], ranks_per_node)  # as node_of_rank splits the matrix
-        size = traffic.shape[1] // nodes
-        blocks = traffic.reshape(traffic.shape[0], nodes, size, nodes, size)
-        crossed = total - np.diagonal(blocks, axis1=1, axis2=3).sum(axis=(1, 2, 3))
-    else:
-        crossed = cross_node_pairs(traffic, ranks_per_node)
-    total, crossed = total.astype(np.float64), crossed.astype(np.float64)
+    total = traffic.sum(axis=(1, 2)).astype(np.float64)
+    crossed = cross_node_pairs(traffic, ranks_per_node).astype(np.float64)
     return np.divide(crossed, total, out=np.zeros_like(total), where=total > 0)
 
 
