@@ -96,12 +96,12 @@ def window_files(folder: Path) -> list[Path]:
     """Every window file in `folder` (JSON `*.json`, binary ones by their magic), in name order; the
     temporary files a writer renames into place are not windows yet."""
     return sorted(p for p in Path(folder).iterdir() if p.is_file() and not p.name.endswith(".tmp")
-                  and (p.suffix.lower() == ".json" or _is_binary_window(p)))
+                  and is_window_file(p))
 
 
 def is_window_file(path: Path) -> bool:
-    """A binary window (by its magic) or a JSON file; a JSON file's content decides when it is read."""
-    return _is_binary_window(path) or Path(path).suffix.lower() == ".json"
+    """A JSON file or a binary window (by its magic); a JSON file's content decides when it is read."""
+    return Path(path).suffix.lower() == ".json" or _is_binary_window(path)
 
 
 def read_window(path: Path) -> Any:
