@@ -79,16 +79,20 @@ def rebalance_points(steps: np.ndarray, interval: Interval) -> list[int]:
 def rebalance_loads(loads: np.ndarray, points: list[int]) -> np.ndarray:
     """[T, L, E] loads, rebalance points -> [R, L, E] each rebalance's load: the windows since the
     previous rebalance (from the first window for the first), summed."""
-    starts = [0] + [p + 1 for p in points[:-1]]
     if not points:
         return np.zeros((0, *loads.shape[1:]))
-    return np.stack([loads[a:b + 1].sum(axis=0) for a, b in zip(starts, points)])
+    return np.stack([loads[a:b + 1].sum(axis=0) for a, b in _spans(points)])
 
 
 def window_steps_of(steps: np.ndarray, points: list[int]) -> list[int]:
     """Steps each rebalance's load was summed over."""
-    starts = [0] + [p + 1 for p in points[:-1]]
-    return [int(steps[a:b + 1].sum()) for a, b in zip(starts, points)]
+    return [int(steps[a:b + 1].sum()) for a, b in _spans(points)]
+
+
+def _spans(points: list[int]) -> list[tuple[int, int]]:
+    """Rebalance points -> (first, last) window each rebalance's load covers: from the window after the
+    previous rebalance (the first window for the first) to its own."""
+    return list(zip([0] + [p + 1 for p in points[:-1]], points))
 
 
 def maps_over_time(initial: np.ndarray, points: list[int], rebalanced: np.ndarray, num_windows: int) -> np.ndarray:
