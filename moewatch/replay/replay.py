@@ -85,7 +85,7 @@ def run_figures(rec: Recording, geometry: Geometry, maps: np.ndarray, points: li
     serving = float((weights * rec.step_seconds).sum()) if np.isfinite(rec.step_seconds).all() else None
     return {
         "rebalances": len(points),
-        "balancedness": float((weights * balance).sum() / weights.sum()) if weights.sum() else float(balance.mean()),
+        "balancedness": _step_weighted_mean(balance, rec.steps),
         "balancedness_per_window": balance.tolist(),
         "busiest_pairs_per_step": busiest.tolist(),
         "moves": moves,
@@ -109,9 +109,15 @@ def _move(after_window: int, slots: int, migration: MigrationCost, before: float
 def _mean_balance(rec: Recording, pmap: np.ndarray, windows: range, ranks: int) -> float | None:
     if not len(windows):
         return None
-    w = rec.steps[list(windows)].astype(np.float64)
     b = np.array([placement_balancedness(rec.loads[t], pmap, ranks).mean() for t in windows])
-    return float((w * b).sum() / w.sum()) if w.sum() else float(b.mean())
+    return _step_weighted_mean(b, rec.steps[list(windows)])
+
+
+def _step_weighted_mean(per_window: np.ndarray, steps: np.ndarray) -> float:
+    """[n] a figure per window, [n] the windows' steps -> the figure's mean over steps (over windows
+    when no window has a step)."""
+    w = steps.astype(np.float64)
+    return float((w * per_window).sum() / w.sum()) if w.sum() else float(per_window.mean())
 
 
 def moewatch_maps(loads: np.ndarray, window_steps: list[int], initial: np.ndarray, geometry: Geometry,
