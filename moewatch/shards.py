@@ -19,6 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .numpy_json import numpy_default
 from .telemetry import SHARD_KEY, SHARDS_KEY, STEP_A2A_KEY, Shard, ShardsReport, Window, parse_shard
 
 # Why a shard of a sequence is left out of its merged window (the reason label of the agent's counter).
@@ -60,17 +61,9 @@ def policy_digest(*parts: Any) -> str:
         else:
             h.update(b"json")
             h.update(json.dumps(part, sort_keys=True, separators=(",", ":"), allow_nan=False,
-                                default=_plain).encode())
+                                default=numpy_default).encode())
         h.update(b"\0")
     return h.hexdigest()
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"cannot digest a {type(value).__name__}")
 
 
 def rebalance_digests(w: Window) -> dict[int, str]:

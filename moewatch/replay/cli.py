@@ -27,7 +27,8 @@ from .engine_policies import ENGINE_POLICIES, PolicySizes, run_engine_policy
 from .intervals import Interval, default_intervals, parse_intervals
 from .recommend import DEFAULT_MIN_GAIN, ENGINE_OWN, PLACEMENT_FILE, alternatives, insufficient, recommend
 from .replay import MOEWATCH, OFF, POLICIES, STATIC, Geometry, Recording, replay
-from .report import RESULT_SCHEMA, jsonable, render_text, write_result
+from ..numpy_json import numpy_default
+from .report import RESULT_SCHEMA, render_text, write_result
 from .svg import picture
 from .trace import read_trace
 
@@ -185,7 +186,7 @@ def replay_command(ctx: click.Context, windows, engine, policies, intervals, ran
     if out_dir is not None:
         files.update(write_result(Path(out_dir), result, picture(result)))
     if as_json:
-        click.echo(json.dumps(result, allow_nan=False, default=jsonable))
+        click.echo(json.dumps(result, allow_nan=False, default=numpy_default))
     else:
         click.echo(render_text(result), nl=False)
         for name, path in files.items():

@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from ..numpy_json import numpy_default
 RESULT_SCHEMA = "moewatch.replay/v1"
 RESULT_FILE = "replay.json"
 PICTURE_FILE = "replay.svg"
@@ -86,7 +85,7 @@ def write_result(out_dir: Path, result: dict[str, Any], picture: str) -> dict[st
     """Write replay.json and replay.svg into out_dir (each to a temporary name, then renamed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
-    for name, text in ((RESULT_FILE, json.dumps(result, indent=1, allow_nan=False, default=jsonable) + "\n"),
+    for name, text in ((RESULT_FILE, json.dumps(result, indent=1, allow_nan=False, default=numpy_default) + "\n"),
                        (PICTURE_FILE, picture)):
         tmp = out_dir / (name + ".tmp")
         tmp.write_text(text)
@@ -95,10 +94,3 @@ def write_result(out_dir: Path, result: dict[str, Any], picture: str) -> dict[st
     return written
 
 
-def jsonable(value: Any) -> Any:
-    """json.dumps' default for the numpy values a result holds."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"not JSON: {type(value).__name__}")

@@ -18,6 +18,7 @@ import click
 import numpy as np
 
 from moewatch.cli_contract import OneLineCommand
+from moewatch.numpy_json import numpy_default
 from moewatch.planner.affinity import load_from_trace, transitions_from_trace
 from moewatch.planner.movement import align_to_current
 from moewatch.planner.placement_math import (contiguous_placement, dispatch_cross_shares, placement_balancedness,
@@ -375,17 +376,9 @@ def planner(as_json: bool, write_path: str | None, repeats: int, tokens: int, se
     if write_path:
         Path(write_path).write_text(page)
     if as_json:
-        click.echo(json.dumps(results, default=_jsonable))
+        click.echo(json.dumps(results, default=numpy_default))
     else:
         click.echo(page)
     return results
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    if isinstance(value, np.bool_):
-        return bool(value)
-    raise TypeError(f"not JSON: {type(value).__name__}")

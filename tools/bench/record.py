@@ -23,6 +23,7 @@ from typing import Any
 
 import click
 
+from moewatch.numpy_json import numpy_default
 # The machine's load is measured where `moewatch replay` measures it too (the product never imports tools/).
 from moewatch.machine_load import (BUSY_OTHER_CORES, MachineSample, load_between, machine_busy_seconds,  # noqa: F401
                                    other_cpu_cores, own_cpu_seconds, sample)
@@ -73,7 +74,7 @@ def write_result(results_dir: Path, bench: str, result: Any, prov: dict[str, Any
     results_dir.mkdir(parents=True, exist_ok=True)
     stamp = prov["started_utc"].replace("-", "").replace(":", "")
     record = {"schema": RESULT_SCHEMA, "bench": bench, "provenance": prov, "result": result}
-    text = json.dumps(record, indent=1, allow_nan=False, default=_jsonable) + "\n"
+    text = json.dumps(record, indent=1, allow_nan=False, default=numpy_default) + "\n"
     for n in range(1000):
         path = results_dir / (f"{bench}-{stamp}.json" if n == 0 else f"{bench}-{stamp}-{n}.json")
         try:
@@ -83,14 +84,6 @@ def write_result(results_dir: Path, bench: str, result: Any, prov: dict[str, Any
         except FileExistsError:
             continue
     raise click.ClickException(f"--results-dir: {results_dir}: no free name for {bench}-{stamp}")
-
-
-def _jsonable(value: Any) -> Any:
-    import numpy as np
-
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"not JSON: {type(value).__name__}")
 
 
 def recorded(bench: str, command: click.Command, opt_in: bool = False) -> click.Command:
