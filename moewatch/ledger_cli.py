@@ -21,8 +21,8 @@ from .cli_contract import OneLineCommand, fail_input
 from .commands import load_window
 from .ledger import DEFAULT_WINDOWS, Ledger, add_window_of, format_entry
 from .planner.files import window_files
-from .shards import merge_sequence
-from .telemetry import Window, WindowError
+from .shards import merge_recorded
+from .telemetry import Window
 
 AUDIT_EVENT = "rebalance_ledger"
 
@@ -73,19 +73,10 @@ def windows_in(path: Path) -> list[Path]:
 
 def whole_windows(windows: list[tuple[Path, Window]]) -> list[Window]:
     """Whole windows: each as it is, the shards of one sequence merged as the agent merges them."""
-    whole, sequences = [], {}
-    for path, w in windows:
-        if w.shard is None:
-            whole.append(w)
-        else:
-            sequences.setdefault((w.model, w.ep_group, w.shard.sequence), []).append((path, w))
-    for (model, group, sequence), shards in sequences.items():
-        try:
-            merged, _ = merge_sequence([w for _, w in shards])
-        except (WindowError, ValueError) as exc:
-            fail_input(f"{shards[0][0]}: the shards of {model}/{group} sequence {sequence} do not merge: {exc}")
-        whole.append(merged)
-    return whole
+    try:
+        return merge_recorded([w for _, w in windows])[0]
+    except ValueError as exc:
+        fail_input(str(exc))
 
 
 def ledger_of_windows(windows: list[Window], per_window: int) -> list[dict[str, Any]]:

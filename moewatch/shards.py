@@ -295,3 +295,26 @@ def merge_sequence(shards: Sequence[Window]) -> tuple[Window, list[tuple[Window,
     refused_indices = sorted({w.shard.index for w, _ in refused if w.shard.index < count})
     missing = sorted(set(range(count)) - {w.shard.index for w in kept} - set(refused_indices))
     return merge_shards(kept, missing=missing, refused=refused_indices), refused
+
+
+def merge_recorded(windows: Sequence[Window]) -> tuple[list[Window], list[tuple[Window, str]]]:
+    """Recorded windows (a folder's, files given) -> (whole windows: each unsharded one as it is and each
+    shard sequence merged as the agent merges it, in the order the sequences first appear; the shards
+    refused, with why). A shard read twice counts once. ValueError naming the group and sequence when a
+    sequence's shards do not merge."""
+    whole: list[Window] = []
+    sequences: dict[tuple[str, str, int], dict[int, Window]] = {}
+    for w in windows:
+        if w.shard is None:
+            whole.append(w)
+        else:
+            sequences.setdefault((w.model, w.ep_group, w.shard.sequence), {})[w.shard.index] = w
+    refused: list[tuple[Window, str]] = []
+    for (model, group, sequence), by_index in sequences.items():
+        try:
+            merged, left_out = merge_sequence(list(by_index.values()))
+        except ValueError as exc:  # WindowError included
+            raise ValueError(f"{model}/{group} window sequence {sequence}: its shards do not merge: {exc}") from None
+        whole.append(merged)
+        refused += left_out
+    return whole, refused

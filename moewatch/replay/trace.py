@@ -120,27 +120,15 @@ def _sglang_dumps(path: Path) -> list[tuple[Any, list[Path]]]:
 
 
 def _merged(windows: list[Any]) -> tuple[list[Any], int]:
-    """(whole windows, shards refused): each shard sequence merged as the agent merges it
-    (moewatch/shards.py: the agreeing shards kept, the missing ones named in the window), then ordered by
-    start time."""
-    from ..shards import merge_sequence
-    from ..telemetry import WindowError
+    """(whole windows ordered by start time, shards refused): each shard sequence merged as the agent
+    merges it (moewatch/shards.py: the agreeing shards kept, the missing ones named in the window)."""
+    from ..shards import merge_recorded
 
-    whole, sequences, refused = [], {}, 0
-    for w in windows:
-        if w.shard is None:
-            whole.append(w)
-        else:
-            sequences.setdefault((w.ep_group, w.shard.sequence), []).append(w)
-    for (group, sequence), shards in sequences.items():
-        by_index = {s.shard.index: s for s in shards}  # the same shard read twice counts once
-        try:
-            merged, left_out = merge_sequence(list(by_index.values()))
-        except (WindowError, ValueError) as exc:
-            raise TraceError(f"window sequence {sequence}", f"its shards do not merge: {exc}") from None
-        whole.append(merged)
-        refused += len(left_out)
-    return sorted(whole, key=lambda w: (w.start_time, w.end_time)), refused
+    try:
+        whole, refused = merge_recorded(windows)
+    except ValueError as exc:
+        raise TraceError("WINDOWS", str(exc)) from None
+    return sorted(whole, key=lambda w: (w.start_time, w.end_time)), len(refused)
 
 
 def trace_of(windows: list[Any], files: list[Path] = ()) -> Trace:

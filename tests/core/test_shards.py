@@ -387,3 +387,16 @@ def test_diagnose_merges_the_shard_files_of_one_window_as_the_agent_does(tmp_pat
     for bad, says in bad_inputs:
         result = CliRunner().invoke(main, ["diagnose", *bad])
         assert result.exit_code == 2 and says in result.output, result.output
+
+
+def test_recorded_shards_are_merged_per_sequence_once_each_and_whole_windows_kept():
+    """What `moewatch ledger` and `moewatch replay` read from files: shards grouped by model, group and
+    sequence and merged as the agent merges them; a shard read twice counts once; a whole window as it is."""
+    from moewatch.shards import merge_recorded
+
+    pairs = routed_pairs()
+    whole = window_from_pairs(pairs, list(range(W)), start=90.0, end=91.0)
+    shards = shards_of(pairs)
+    got, refused = merge_recorded([whole, *shards, shards[1]])
+    assert refused == [] and len(got) == 2 and got[0] is whole
+    assert_same_window(got[1], window_from_pairs(pairs, list(range(W))))
