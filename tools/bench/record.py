@@ -25,8 +25,7 @@ import click
 
 from moewatch.numpy_json import numpy_default
 # The machine's load is measured where `moewatch replay` measures it too (the product never imports tools/).
-from moewatch.machine_load import (BUSY_OTHER_CORES, MachineSample, load_between, machine_busy_seconds,  # noqa: F401
-                                   other_cpu_cores, own_cpu_seconds, sample)
+from moewatch.machine_load import MachineSample, load_between, sample
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_SUBDIR = Path("docs") / "benchmarks" / "results"

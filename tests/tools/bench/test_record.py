@@ -12,8 +12,8 @@ import click
 from click.testing import CliRunner
 
 from moewatch.tools.bench import SUBCOMMANDS, BenchGroup, bench
-from moewatch.tools.bench.record import (BUSY_OTHER_CORES, MachineSample, machine_busy_seconds, other_cpu_cores,
-                                         provenance, recorded, sample)
+from moewatch.machine_load import BUSY_OTHER_CORES, MachineSample, machine_busy_seconds, other_cpu_cores, sample
+from moewatch.tools.bench.record import provenance, recorded
 
 PROVENANCE_KEYS = {"commit", "command", "started_utc", "ended_utc", "cores", "load_average_before",
                    "load_average_after", "other_cpu_cores", "own_cpu_cores", "busy"}
