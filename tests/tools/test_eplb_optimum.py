@@ -12,7 +12,7 @@ import pytest
 
 from moewatch.planner.incremental import repair_placement
 from moewatch.planner.placement_math import contiguous_placement, replica_counts_of
-from moewatch.tools.eplb_optimum import busiest_gpu_load, fewest_slots_rewritten
+from moewatch.tools.eplb_optimum import busiest_gpu_load, fewest_slots_rewritten, slack_bound
 
 
 def _every_placement(num_experts: int, num_slots: int) -> np.ndarray:
@@ -62,6 +62,7 @@ def test_integer_optimum_is_the_brute_force_one_and_the_lp_bound_is_below_it(num
                                          max_per_gpu=most_per_gpu)
         assert exact.optimal and exact.slots_rewritten == brute == exact.slots_rewritten_bound
         assert relaxed.slots_rewritten_bound <= brute
+        assert slack_bound(load, current, counts, num_gpus, target) <= brute
         row = exact.map_row
         assert int((row != current).sum()) == brute
         assert (np.bincount(row, minlength=num_experts) == counts).all()
@@ -86,7 +87,37 @@ def test_the_mendings_placement_rewrites_at_least_the_optimum_and_the_lp_bound_i
         relaxed = fewest_slots_rewritten(load[layer], current[layer], counts[layer], W, target, integer=False)
         assert exact.optimal
         assert relaxed.slots_rewritten_bound <= exact.slots_rewritten <= moved
+        assert slack_bound(load[layer], current[layer], counts[layer], W, target) <= exact.slots_rewritten
         assert moved > 0
+
+
+def test_the_slack_bound_is_above_the_lp_bound_where_whole_replicas_cannot_fill_the_room():
+    # The benchmark's shape, one layer of each kind of load from the contiguous start, at the
+    # mending's target: the LP fills GPUs to the limit with fractions of replicas; the slack bound
+    # counts the room whole replicas leave, and no placement (the mending's included) beats it.
+    from moewatch.tools.synthetic import popularity, sample_load
+
+    rng = np.random.default_rng(3)
+    E, P, W = 256, 320, 64
+    for kind in ("lognormal", "zipf", "hot"):
+        load = sample_load(popularity(kind, 1, E, rng), 64 * 256 * 8 * 1000, rng).astype(np.float64)
+        current = contiguous_placement(1, E, P)
+        mended = repair_placement(load, current, W, 0.005, num_nodes=8)
+        assert mended.reached.all()
+        row, target = mended.physical_to_logical_map[0], float(mended.target_max[0])
+        counts = replica_counts_of(mended.physical_to_logical_map, E)[0]
+        lp = fewest_slots_rewritten(load[0], current[0], counts, W, target, integer=False).slots_rewritten_bound
+        bound = slack_bound(load[0], current[0], counts, W, target)
+        assert lp * 1.2 < bound <= int((row != current[0]).sum())
+
+
+def test_the_slack_bound_refuses_counts_that_do_not_fill_the_slots_and_is_zero_where_nothing_must_move():
+    load = np.array([4.0, 3.0, 2.0, 1.0])
+    assert slack_bound(load, np.array([0, 3, 1, 2]), np.ones(4, dtype=np.int64), 2, 5.0) == 0
+    assert slack_bound(load, np.array([0, 1, 2, 3]), np.ones(4, dtype=np.int64), 2, 5.0) == 2
+    assert slack_bound(load, np.array([0, 1, 2, 3]), np.ones(4, dtype=np.int64), 2, 4.9) == 5  # no room: P + 1
+    with pytest.raises(ValueError, match="sum to the 4 slots"):
+        slack_bound(load, np.array([0, 1, 2, 3]), np.array([1, 1, 1, 2]), 2, 5.0)
 
 
 def test_a_current_map_at_the_target_needs_nothing_and_counts_that_do_not_fill_the_slots_are_refused():
