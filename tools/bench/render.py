@@ -222,7 +222,8 @@ def render_eplb(records: list[dict[str, Any]]) -> str:
     has_pause = any(f.get("pause") for policies in result["results"].values() for f in policies.values())
     header = ["load", "policy", "balancedness after (lowest)", "slots moved (in all; first rebalance)"]
     if has_bound:
-        header += ["rebalances bounded", "slots moved on them / LP bound", "moved over LP bound"]
+        header += ["rebalances bounded", "slots moved on them / LP bound", "moved over LP bound", "slack bound",
+                   "moved over slack bound"]
     header += ["median call (s)"]
     if has_pause:
         header += ["longest pause (ms)", "p99 pause (ms)"]
@@ -235,9 +236,10 @@ def render_eplb(records: list[dict[str, Any]]) -> str:
                      f"{fmt(f['experts_moved_total'])}; {fmt(f['experts_moved'][0])}"]
             bound = f.get("bound")
             if has_bound:
-                cells += ["n/a", "n/a", "n/a"] if not bound else [
+                cells += ["n/a"] * 5 if not bound else [
                     ", ".join(fmt(t) for t in bound["rebalances"]),
-                    f"{fmt(bound['slots_moved'])} / {fmt(bound['lp_bound'])}", fmt(bound["moved_over_lp_bound"])]
+                    f"{fmt(bound['slots_moved'])} / {fmt(bound['lp_bound'])}", fmt(bound["moved_over_lp_bound"]),
+                    fmt(bound.get("slack_bound")), fmt(bound.get("moved_over_slack_bound"))]
             cells.append(fmt(f["solve_seconds_median"]))
             pause = f.get("pause")
             if has_pause:

@@ -98,9 +98,14 @@ def test_slots_moved_over_the_lp_bound_per_rebalance_and_the_integer_program_on_
     assert 0 < first_bound["lp_bound"] <= moved_first and len(first_bound["lp_bound_per_layer"]) == L
     assert [r["lp_bound"] for r in got["per_rebalance"][1:]] == [0, 0]  # the map in force is at the target
     assert got["moved_over_lp_bound"] == pytest.approx(moved_first / first_bound["lp_bound"])
+    assert 0 < first_bound["slack_bound"] <= moved_first and len(first_bound["slack_bound_per_layer"]) == L
+    assert [r["slack_bound"] for r in got["per_rebalance"][1:]] == [0, 0]
+    assert got["moved_over_slack_bound"] == pytest.approx(moved_first / first_bound["slack_bound"])
     assert [o["layer"] for o in got["integer_program"]] == [0, 3]
     for o in got["integer_program"]:
         assert o["status"] == "optimal" and o["lp_bound"] <= o["slots_rewritten"] <= o["slots_moved"]
+        # no placement beats the slack bound, the optimum included
+        assert first_bound["slack_bound_per_layer"][o["layer"]] <= o["slots_rewritten"]
     assert bench.bound_rebalances(20, 3) == [0, 10, 19] and bench.bound_rebalances(3, 5) == [0, 1, 2]
 
 
