@@ -242,9 +242,11 @@ def _mend_counts(load: np.ndarray, row: np.ndarray, num_gpus: int, heaviest_allo
     if compiled is None:
         return _mend_counts_numpy(load, row, num_gpus, heaviest_allowed, budget)
     with _contiguous(row) as rewritten:
-        return compiled.mend_counts(np.ascontiguousarray(load, dtype=np.float64), rewritten, int(num_gpus),
-                                    np.ascontiguousarray(heaviest_allowed, dtype=np.float64),
-                                    np.ascontiguousarray(budget, dtype=np.int64))
+        load = np.ascontiguousarray(load, dtype=np.float64)
+        limit = np.ascontiguousarray(heaviest_allowed, dtype=np.float64)
+        budget = np.ascontiguousarray(budget, dtype=np.int64)
+        return mending_compiled.over_layers(load.shape[0], lambda part: compiled.mend_counts(
+            load[part], rewritten[part], int(num_gpus), limit[part], budget[part]))
 
 
 def _mend_counts_numpy(load: np.ndarray, row: np.ndarray, num_gpus: int, heaviest_allowed: np.ndarray,
@@ -310,11 +312,13 @@ def _swap_down(load: np.ndarray, row: np.ndarray, current: np.ndarray, num_gpus:
     if compiled is None:
         return _swap_down_numpy(row, weights, current, num_gpus, node_of, target_max, budget, progress, shape)
     with _contiguous(row) as swapped:
-        return compiled.swap_down(swapped, np.ascontiguousarray(weights),
-                                  np.ascontiguousarray(current, dtype=np.int64),
-                                  np.ascontiguousarray(target_max, dtype=np.float64),
-                                  np.ascontiguousarray(budget, dtype=np.int64), node_of, int(num_gpus), shape.heavy,
-                                  shape.partners, shape.busiest_partners, STALL_ROUNDS, float(progress), _MIN_GAIN)
+        weights = np.ascontiguousarray(weights)
+        current = np.ascontiguousarray(current, dtype=np.int64)
+        target_max = np.ascontiguousarray(target_max, dtype=np.float64)
+        budget = np.ascontiguousarray(budget, dtype=np.int64)
+        return mending_compiled.over_layers(row.shape[0], lambda part: compiled.swap_down(
+            swapped[part], weights[part], current[part], target_max[part], budget[part], node_of, int(num_gpus),
+            shape.heavy, shape.partners, shape.busiest_partners, STALL_ROUNDS, float(progress), _MIN_GAIN))
 
 
 def _swap_down_numpy(row: np.ndarray, weights: np.ndarray, current: np.ndarray, num_gpus: int, node_of: np.ndarray,

@@ -93,6 +93,21 @@ def test_the_compiled_mending_is_the_numpy_mending(monkeypatch, kind, gpus, slot
     assert (compiled.swaps + compiled.count_changes).max() <= 3
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_layers_split_over_threads_mend_as_one_call(monkeypatch, threads):
+    # mending_compiled.over_layers: each thread mends a run of consecutive layers of the same arrays
+    # (7 layers: runs of unequal length); numpy's loops, one call over all layers, are the reference.
+    rng = np.random.default_rng(threads)
+    L, gpus, P = 7, 16, 80
+    load = sample_load(popularity("zipf", L, 64, rng), 200_000, rng).astype(float)
+    start = contiguous_placement(L, 64, P).astype(np.int64)
+    monkeypatch.setattr(mending_compiled, "_THREADS", threads)
+    monkeypatch.setattr(mending_compiled, "_pool", None)
+    plain, compiled = _repair_both(monkeypatch, load, start, gpus, 0.005, nodes=2)
+    _assert_same(plain, compiled)
+    assert (compiled.swaps > 0).sum() >= 4  # most layers had swaps to make, in every run
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), gpus=st.sampled_from([2, 3, 4, 8]), slots_per_gpu=st.integers(1, 4),
        tolerance=st.sampled_from([0.0, 0.01, 0.1]))
