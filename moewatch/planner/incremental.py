@@ -60,6 +60,14 @@ ROUND_SHAPES = (RoundShape(heavy=1, partners=16, busiest_partners=64),
 # to 18 of 61 Zipf ones (4 seeds); 0.75 on 60 or 61 of the rest, rewriting 7 to 10 % fewer slots
 # than 0.85, which reaches every Zipf layer and stays as the next try.
 HEAVY_SHARES = (0.6, 0.75, 0.85, 0.0)
+# A layer where the first share changes more counts than the second by more than this share of the
+# GPUs tries the second first. Many experts heavier than the first share (a Zipf load) each split
+# once more, and the extra replicas crowd the swaps: at 61 x 256, 320 slots, 64 GPUs, 8 nodes the
+# first share reached 4 of 61 Zipf layers (14 more count changes a layer, a median) and its tries
+# took most of the call, and the second rewrote fewer slots on 28 to 30 of 30 (3 seeds). On a
+# hot-expert load (5 more) the first share rewrote fewer slots on 59 of 61; on a lognormal one
+# (8.5 more) the two were even. At 32 GPUs (9 slots each) Zipf's layers differ by 6.
+SECOND_SHARE_FIRST_AT = 1.0 / 6.0
 # Swap rounds between checks that the busiest GPU came down by the tolerance (else the layer stops).
 STALL_ROUNDS = 16
 # Passes over a layer that misses its target, while each lowers its busiest GPU by the tolerance.
@@ -158,7 +166,9 @@ def _one_pass(load: np.ndarray, start: np.ndarray, num_gpus: int, num_nodes: int
     at a third of the call; the next share's first shape reaches most of them, with as few or fewer
     slots rewritten."""
     A = load.shape[0]
-    best: Repair | None = None
+    # No try yet: a layer's first try replaces this whatever it reached (its busiest is lighter).
+    best = Repair(start.copy(), target_max, np.full(A, np.inf), np.zeros(A, dtype=bool),
+                  np.zeros(A, dtype=np.int64), np.zeros(A, dtype=np.int64))
     todo = np.arange(A)
     # Per share: its limits, and where they equal an earlier share's (the same limit gives the same
     # mending, and the same round shape was tried on it: skipped).
@@ -173,27 +183,47 @@ def _one_pass(load: np.ndarray, start: np.ndarray, num_gpus: int, num_nodes: int
     mended = np.empty((len(shares),) + start.shape, dtype=np.int64)
     counts = np.zeros((len(shares), A), dtype=np.int64)
     counted = np.zeros((len(shares), A), dtype=bool)
+
+    def mend(i: int, layers: np.ndarray) -> None:
+        fresh = layers[~counted[i, layers]]
+        if fresh.size:
+            rows = start[fresh].copy()
+            counts[i, fresh] = _mend_counts(load[fresh], rows, num_gpus, shares[i][0][fresh], budget[fresh])
+            mended[i, fresh] = rows
+            counted[i, fresh] = True
+
+    # Each layer's order of shares: HEAVY_SHARES', but the second before the first where the first
+    # needs more than a sixth of the GPUs' count more new replicas (SECOND_SHARE_FIRST_AT).
+    order = np.tile(np.arange(len(shares))[:, None], (1, A))
+    if len(shares) > 1:
+        held = replica_counts_of(start, load.shape[1])
+        extra = _new_replicas_needed(load, held, shares[0][0]) - _new_replicas_needed(load, held, shares[1][0])
+        second_first = extra > SECOND_SHARE_FIRST_AT * num_gpus
+        order[0, second_first], order[1, second_first] = 1, 0
     for shape in ROUND_SHAPES:
-        for i, (limits, repeat) in enumerate(shares):
-            if not todo.size:
-                return best
-            run = todo[~repeat[todo]]
-            if not run.size:
-                continue
-            fresh = run[~counted[i, run]]
-            if fresh.size:
-                rows = start[fresh].copy()
-                counts[i, fresh] = _mend_counts(load[fresh], rows, num_gpus, limits[fresh], budget[fresh])
-                mended[i, fresh] = rows
-                counted[i, fresh] = True
-            sub_load, row, sub_counts = load[run], mended[i, run], counts[i, run]  # (a copy: fancy index)
-            swaps = _swap_down(sub_load, row, start[run], num_gpus, num_nodes, target_max[run],
-                               budget[run] - sub_counts, progress, shape)
-            busiest = _gpu_loads(sub_load, row, num_gpus).max(axis=1)
-            tried = Repair(row, target_max[run], busiest, _within(busiest, target_max[run]), sub_counts, swaps)
-            best = tried if best is None else _better_of(best, tried, run, start)
-            todo = np.flatnonzero(~best.reached)
+        for step in range(len(shares)):
+            for i, (_, repeat) in enumerate(shares):
+                if not todo.size:
+                    return best
+                run = todo[(order[step, todo] == i) & ~repeat[todo]]
+                if not run.size:
+                    continue
+                mend(i, run)
+                sub_load, row, sub_counts = load[run], mended[i, run], counts[i, run]  # (a copy: fancy index)
+                swaps = _swap_down(sub_load, row, start[run], num_gpus, num_nodes, target_max[run],
+                                   budget[run] - sub_counts, progress, shape)
+                busiest = _gpu_loads(sub_load, row, num_gpus).max(axis=1)
+                tried = Repair(row, target_max[run], busiest, _within(busiest, target_max[run]), sub_counts, swaps)
+                best = _better_of(best, tried, run, start)
+                todo = np.flatnonzero(~best.reached)
     return best
+
+
+def _new_replicas_needed(load: np.ndarray, held: np.ndarray, heaviest_allowed: np.ndarray) -> np.ndarray:
+    """[A, E] load, [A, E] replicas held, [A] limit per replica -> [A] replicas the experts over the
+    limit need beyond those they hold: the count changes _mend_counts makes where givers last out."""
+    limit = np.maximum(heaviest_allowed, np.finfo(np.float64).tiny)[:, None]
+    return np.maximum(np.ceil(load / limit) - held, 0).sum(axis=1)
 
 
 def _better_of(best: Repair, tried: Repair, layers: np.ndarray, start: np.ndarray) -> Repair:

@@ -182,9 +182,49 @@ def test_a_layer_the_first_share_misses_tries_the_next_share_before_the_second_r
         return swap_down(load, row, current, num_gpus, num_nodes, target_max, budget, progress, shape)
 
     monkeypatch.setattr(incremental, "_swap_down", recorded)
+    monkeypatch.setattr(incremental, "SECOND_SHARE_FIRST_AT", np.inf)  # the first share first on every layer
     rng = np.random.default_rng(1)
     load = sample_load(popularity("zipf", 4, 256, rng), 1000 * 64 * 256 * 8, rng).astype(float)
     start = contiguous_placement(4, 256, 320).astype(np.int64)
     result = incremental.repair_placement(load, start, 64, 0.005, num_nodes=8)
     assert len(calls) >= 2 and calls[0] == calls[1] == incremental.ROUND_SHAPES[0], calls
     assert result.reached.all() and is_valid_placement(result.physical_to_logical_map, 256, 64)
+
+
+@pytest.mark.parametrize("kind, second_first", [("zipf", True), ("hot", False)])
+def test_a_layer_whose_first_share_needs_many_more_replicas_tries_the_second_first(monkeypatch, kind, second_first):
+    """_one_pass's per-layer order of shares at the EPLB benchmark's shape: on a Zipf load the first
+    share needs over W / 6 more new replicas than the second on every layer, so the second's counts
+    go first and reach every layer in one swap call, where the first share's swaps run on every layer
+    and miss (the call's bulk), and rewrite no more slots; on a hot-expert load the first share stays
+    first."""
+    rng = np.random.default_rng(2)
+    load = sample_load(popularity(kind, 4, 256, rng), 1000 * 64 * 256 * 8, rng).astype(float)
+    start = contiguous_placement(4, 256, 320).astype(np.int64)
+    limits, swept = [], []
+    mend_counts, swap_down = incremental._mend_counts, incremental._swap_down
+
+    def counted(load, row, num_gpus, heaviest_allowed, budget):
+        limits.append(np.asarray(heaviest_allowed).copy())
+        return mend_counts(load, row, num_gpus, heaviest_allowed, budget)
+
+    def swapped(load, row, *rest):
+        swept.append(row.shape[0])
+        return swap_down(load, row, *rest)
+
+    monkeypatch.setattr(incremental, "_mend_counts", counted)
+    monkeypatch.setattr(incremental, "_swap_down", swapped)
+    ordered = incremental.repair_placement(load, start, 64, 0.005, num_nodes=8)
+    ordered_limits, ordered_swept = limits[:], swept[:]
+    limits.clear()
+    swept.clear()
+    monkeypatch.setattr(incremental, "SECOND_SHARE_FIRST_AT", np.inf)
+    fixed = incremental.repair_placement(load, start, 64, 0.005, num_nodes=8)
+    assert ordered.reached.all() and is_valid_placement(ordered.physical_to_logical_map, 256, 64)
+    share = incremental.HEAVY_SHARES[1 if second_first else 0]
+    assert np.all(ordered_limits[0] >= share * ordered.target_max * (1 - 1e-12))  # that share's counts first
+    moved = [int((r.physical_to_logical_map != start).sum()) for r in (ordered, fixed)]
+    if second_first:
+        assert ordered_swept == [4] and sum(swept) > 4 and moved[0] <= moved[1], (ordered_swept, swept, moved)
+    else:
+        assert ordered_swept == swept and moved[0] == moved[1]
