@@ -156,7 +156,8 @@ def repair_placement(load: np.ndarray, current: np.ndarray, num_gpus: int, toler
 def _one_pass(load: np.ndarray, start: np.ndarray, num_gpus: int, num_nodes: int, target_max: np.ndarray,
               best_counts_heaviest: np.ndarray, budget: np.ndarray, progress: float) -> Repair:
     """One mending of each layer of `start` [A, P] for each of ROUND_SHAPES and, within a shape, each
-    share in HEAVY_SHARES, as long as the layer misses its target; keeps the try `_better_of` prefers.
+    share in HEAVY_SHARES (the second before the first on a layer where SECOND_SHARE_FIRST_AT says),
+    as long as the layer misses its target; keeps the try `_better_of` prefers.
     Moves are counted from `start`, so a pass is a function of where it starts alone (what makes the
     result a fixed point).
 

@@ -12,7 +12,8 @@ It is the same algorithm, step for step and bit for bit: the same candidates in 
 the same float operations (a GPU's load is summed in numpy's own order: `numpy_sum`), the same
 first maximum. Every rank of an engine runs the policy itself, so an engine whose ranks all have
 numba (vLLM ships it) gets the same maps as one whose ranks all lack it; tests compare the two
-paths map for map. MOEWATCH_PLANNER_COMPILED=0 keeps the numpy loops. The numba functions are in
+paths map for map. MOEWATCH_PLANNER_COMPILED=0 keeps the numpy loops. A call's layers are split
+over a few threads (over_layers): the loops release the GIL and each layer is its own. The numba functions are in
 _mending_kernels.py, imported only when asked for.
 
 Sizes: W GPUs, S = P // W slots per GPU, M heavy GPUs a round, K partners each.
@@ -41,7 +42,8 @@ _default_on = True
 # mended on its own, so the call takes the time of its slowest share of layers. One core stays free
 # for the engine's own Python loop: on a 2-core machine, two threads mending at 8 nodes halved the
 # Zipf placing call but let a thread stepping every 1 ms wait up to 5.3 ms (1.6 ms with one).
-_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_THREADS = max(1, min(4, _CORES - 1))
 _pool: ThreadPoolExecutor | None = None
 
 
