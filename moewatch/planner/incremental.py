@@ -24,6 +24,7 @@ Sizes: L layers, E experts, P slots, W GPUs, S = P // W slots per GPU, K idlest 
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from . import mending_compiled
 from .placement_math import replica_counts_of
-from .replicate import capped_replica_counts
+from .replicate import capped_replica_counts, counts_at_threshold
 
 @dataclass(frozen=True)
 class RoundShape:
@@ -197,34 +198,28 @@ def _one_pass(load: np.ndarray, start: np.ndarray, num_gpus: int, num_nodes: int
     # needs more than a sixth of the GPUs' count more new replicas (SECOND_SHARE_FIRST_AT).
     order = np.tile(np.arange(len(shares))[:, None], (1, A))
     if len(shares) > 1:
+        # the new replicas a share's limit asks for (where givers last out, the count changes it makes)
         held = replica_counts_of(start, load.shape[1])
-        extra = _new_replicas_needed(load, held, shares[0][0]) - _new_replicas_needed(load, held, shares[1][0])
+        extra = (np.maximum(counts_at_threshold(load, shares[0][0]) - held, 0)
+                 - np.maximum(counts_at_threshold(load, shares[1][0]) - held, 0)).sum(axis=1)
         second_first = extra > SECOND_SHARE_FIRST_AT * num_gpus
         order[0, second_first], order[1, second_first] = 1, 0
-    for shape in ROUND_SHAPES:
-        for step in range(len(shares)):
-            for i, (_, repeat) in enumerate(shares):
-                if not todo.size:
-                    return best
-                run = todo[(order[step, todo] == i) & ~repeat[todo]]
-                if not run.size:
-                    continue
-                mend(i, run)
-                sub_load, row, sub_counts = load[run], mended[i, run], counts[i, run]  # (a copy: fancy index)
-                swaps = _swap_down(sub_load, row, start[run], num_gpus, num_nodes, target_max[run],
-                                   budget[run] - sub_counts, progress, shape)
-                busiest = _gpu_loads(sub_load, row, num_gpus).max(axis=1)
-                tried = Repair(row, target_max[run], busiest, _within(busiest, target_max[run]), sub_counts, swaps)
-                best = _better_of(best, tried, run, start)
-                todo = np.flatnonzero(~best.reached)
+    # per round shape, per step of the layers' orders, the layers whose share at that step is i
+    for shape, step, i in itertools.product(ROUND_SHAPES, range(len(shares)), range(len(shares))):
+        if not todo.size:
+            break
+        run = todo[(order[step, todo] == i) & ~shares[i][1][todo]]
+        if not run.size:
+            continue
+        mend(i, run)
+        sub_load, row, sub_counts = load[run], mended[i, run], counts[i, run]  # (a copy: fancy index)
+        swaps = _swap_down(sub_load, row, start[run], num_gpus, num_nodes, target_max[run],
+                           budget[run] - sub_counts, progress, shape)
+        busiest = _gpu_loads(sub_load, row, num_gpus).max(axis=1)
+        tried = Repair(row, target_max[run], busiest, _within(busiest, target_max[run]), sub_counts, swaps)
+        best = _better_of(best, tried, run, start)
+        todo = np.flatnonzero(~best.reached)
     return best
-
-
-def _new_replicas_needed(load: np.ndarray, held: np.ndarray, heaviest_allowed: np.ndarray) -> np.ndarray:
-    """[A, E] load, [A, E] replicas held, [A] limit per replica -> [A] replicas the experts over the
-    limit need beyond those they hold: the count changes _mend_counts makes where givers last out."""
-    limit = np.maximum(heaviest_allowed, np.finfo(np.float64).tiny)[:, None]
-    return np.maximum(np.ceil(load / limit) - held, 0).sum(axis=1)
 
 
 def _better_of(best: Repair, tried: Repair, layers: np.ndarray, start: np.ndarray) -> Repair:

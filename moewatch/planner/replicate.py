@@ -66,10 +66,10 @@ def _water_fill(load: np.ndarray, num_slots: int) -> np.ndarray:
     lo = load.sum(axis=1) / num_slots * (1.0 - 1e-12)
     for _ in range(_BISECTION_STEPS):
         mid = 0.5 * (lo + hi)
-        fits = _counts_at(load, mid).sum(axis=1) <= num_slots
+        fits = counts_at_threshold(load, mid).sum(axis=1) <= num_slots
         hi = np.where(fits, mid, hi)
         lo = np.where(fits, lo, mid)
-    counts = _counts_at(load, hi)
+    counts = counts_at_threshold(load, hi)
     # The rest, one slot at a time: only ties at the threshold remain, so this loop is short.
     remaining = num_slots - counts.sum(axis=1)
     rows = np.arange(L)
@@ -82,6 +82,8 @@ def _water_fill(load: np.ndarray, num_slots: int) -> np.ndarray:
     return counts
 
 
-def _counts_at(load: np.ndarray, threshold: np.ndarray) -> np.ndarray:
+def counts_at_threshold(load: np.ndarray, threshold: np.ndarray) -> np.ndarray:
+    """[L, E] load, [L] most load a replica may carry (> 0) -> [L, E] the fewest replicas each expert
+    needs for that (at least one)."""
     t = threshold[:, None]
     return np.maximum(1, np.ceil(load / t - 1e-9)).astype(np.int64)
